@@ -1,0 +1,41 @@
+"""Tiny random transformers models for tests (built in milliseconds, no download)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+    Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+)
+
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+}
+
+
+def tiny_model(family: str = "llama", seed: int = 0, vocab: int = 64, hidden: int = 32,
+               layers: int = 2, heads: int = 4, kv_heads: int = 2, peak: float = 60.0, **extra):
+    """A random model whose next-token distributions are peaked (scaled output head), so
+    greedy argmax ties are practically impossible and drafts are sometimes right."""
+    cfg_cls, model_cls = FAMILIES[family]
+    kw = dict(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=0,
+        eos_token_id=None, pad_token_id=None,
+    )
+    if family in ("qwen3",):
+        kw["head_dim"] = hidden // heads
+    if family == "mistral":
+        kw["sliding_window"] = None
+    kw.update(extra)
+    torch.manual_seed(seed)
+    model = model_cls(cfg_cls(**kw))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(peak)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.eval()

@@ -1,0 +1,207 @@
+"""Tree configurations: which shape of tree to draft, and the named presets.
+
+A ``TreeConfig`` is either *dynamic* (EAGLE-2: the shape is chosen per step from draft
+scores) or *static* (a fixed shape, given as Medusa / vLLM path lists; a chain is the
+simplest static tree).
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping, Sequence
+
+from .tree import Tree
+
+__all__ = ["TreeConfig", "PRESETS", "Preset"]
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """How to shape each step's draft tree.
+
+    Dynamic (EAGLE-2) fields:
+        depth:     maximum depth of a drafted node (the root is depth 0). EAGLE's
+                   ``depth=d`` argument corresponds to ``depth=d+1`` here, SGLang's
+                   ``num_steps`` to ``depth``.
+        top_k:     candidates expanded per frontier node and frontier width per level.
+        num_nodes: drafted nodes kept after the rerank (root excluded): the verify
+                   forward runs ``num_nodes + 1`` tokens.
+    Static fields:
+        paths:     the tree as Medusa / vLLM child-rank paths, breadth-first.
+    """
+
+    kind: str
+    depth: int
+    top_k: int
+    num_nodes: int
+    paths: tuple[tuple[int, ...], ...] | None = None
+
+    def __post_init__(self):
+        if self.kind not in ("dynamic", "static"):
+            raise ValueError(f"kind must be 'dynamic' or 'static', got {self.kind!r}")
+        for name in ("depth", "top_k", "num_nodes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ValueError(f"{name} must be an int, got {v!r}")
+            if v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        if self.kind == "dynamic":
+            pool = self.top_k + (self.depth - 1) * self.top_k * self.top_k
+            if self.num_nodes > pool:
+                raise ValueError(
+                    f"num_nodes={self.num_nodes} exceeds the candidate pool of a dynamic tree "
+                    f"with depth={self.depth}, top_k={self.top_k} ({pool} = top_k + "
+                    f"(depth-1)*top_k^2): lower num_nodes or raise depth/top_k"
+                )
+        elif self.paths is None:
+            raise ValueError("a static TreeConfig needs paths")
+
+    # ---- constructors -------------------------------------------------------------------
+
+    @classmethod
+    def dynamic(cls, depth: int, top_k: int, num_nodes: int) -> "TreeConfig":
+        """An EAGLE-2 dynamic tree: expand ``top_k`` per level for ``depth`` levels, keep
+        the ``num_nodes`` drafted nodes of highest cumulative draft log-probability."""
+        return cls("dynamic", depth, top_k, num_nodes)
+
+    @classmethod
+    def static(cls, paths: Sequence[Sequence[int]]) -> "TreeConfig":
+        """A fixed tree given as child-rank paths (``[[0], [1], [0, 0]]``)."""
+        tree = Tree.from_paths(paths)  # validates
+        canon = tuple(tuple(p) for p in sorted(tree.to_paths(), key=lambda p: (len(p), p)))
+        width = 1 + max(max(p) for p in canon) if canon else 1
+        return cls("static", tree.max_depth, width, tree.num_drafted, canon)
+
+    @classmethod
+    def chain(cls, k: int) -> "TreeConfig":
+        """A chain of ``k`` drafted tokens (classic speculative decoding)."""
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"a chain needs k >= 1 drafted tokens, got {k!r}")
+        return cls.static([[0] * d for d in range(1, k + 1)])
+
+    @classmethod
+    def from_medusa_choices(cls, choices) -> "TreeConfig":
+        """Read Medusa's ``medusa_choices`` (a list of tuples or lists, or its repr)."""
+        if isinstance(choices, str):
+            try:
+                choices = ast.literal_eval(choices)
+            except (ValueError, SyntaxError) as e:
+                raise ValueError(f"cannot parse Medusa choices {choices[:60]!r}: {e}") from None
+        return cls.static([list(c) for c in choices])
+
+    from_vllm = from_medusa_choices  # vLLM's speculative_token_tree uses the same format
+
+    @classmethod
+    def preset(cls, name: str) -> "TreeConfig":
+        try:
+            return PRESETS[name].config
+        except KeyError:
+            raise ValueError(
+                f"unknown tree preset {name!r}; known presets: {', '.join(PRESETS)}"
+            ) from None
+
+    # ---- views --------------------------------------------------------------------------
+
+    @property
+    def is_chain(self) -> bool:
+        return self.kind == "static" and self.num_nodes == self.depth
+
+    @property
+    def max_tree_tokens(self) -> int:
+        """Tokens one verify forward runs per request (drafted nodes + root)."""
+        return self.num_nodes + 1
+
+    def static_tree(self) -> Tree:
+        if self.paths is None:
+            raise ValueError("a dynamic TreeConfig has no fixed shape")
+        return Tree.from_paths(self.paths)
+
+    def to_vllm(self) -> str:
+        """The string vLLM accepts as ``speculative_token_tree`` (static trees only)."""
+        if self.paths is None:
+            raise ValueError(
+                "vLLM's speculative_token_tree is a static shape: a dynamic TreeConfig has none. "
+                "Export a tree drafted on a prompt with TreeConfig.static(tree.to_paths())."
+            )
+        return repr([tuple(p) for p in self.paths])
+
+    def describe(self) -> str:
+        if self.kind == "dynamic":
+            return f"dynamic(depth={self.depth}, top_k={self.top_k}, num_nodes={self.num_nodes})"
+        if self.is_chain:
+            return f"chain({self.depth})"
+        return f"static({self.num_nodes} nodes, depth {self.depth})"
+
+
+@dataclass(frozen=True)
+class Preset:
+    config: TreeConfig
+    description: str
+
+
+# EAGLE-1 static tree (SafeAILab/EAGLE, model/choices.py, `mc_sim_7b_63`): 25 nodes, depth 5.
+_EAGLE1_TREE = [
+    [0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [2, 1], [3, 0],
+    [0, 0, 0], [0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 1, 1], [0, 2, 0], [0, 2, 1], [1, 0, 0],
+    [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 0, 0], [0, 0, 0, 0, 1],
+]
+
+# Medusa's default 63-node tree (FasterDecoding/Medusa, medusa/model/medusa_choices.py,
+# `mc_sim_7b_63`), found by simulation on Vicuna-7B.
+_MEDUSA_63 = [
+    [0], [0, 0], [1], [0, 1], [2], [0, 0, 0], [1, 0], [0, 2], [3], [0, 3], [4], [0, 4],
+    [2, 0], [0, 5], [0, 0, 1], [5], [0, 6], [6], [0, 7], [0, 1, 0], [1, 1], [7], [0, 8],
+    [0, 0, 2], [3, 0], [0, 9], [8], [9], [1, 0, 0], [0, 2, 0], [1, 2], [0, 0, 3], [4, 0],
+    [2, 1], [0, 0, 4], [0, 0, 5], [0, 0, 0, 0], [0, 1, 1], [0, 0, 6], [0, 3, 0], [5, 0],
+    [1, 3], [0, 0, 7], [0, 0, 8], [0, 0, 9], [6, 0], [0, 4, 0], [1, 4], [7, 0], [0, 1, 2],
+    [2, 0, 0], [3, 1], [2, 2], [8, 0], [0, 5, 0], [1, 5], [1, 0, 1], [0, 2, 1], [9, 0],
+    [0, 6, 0], [0, 0, 0, 1], [1, 6], [0, 7, 0],
+]
+
+
+def _presets() -> Mapping[str, Preset]:
+    p: dict[str, Preset] = {}
+    for k in range(1, 9):
+        p[f"chain-{k}"] = Preset(
+            TreeConfig.chain(k),
+            f"a chain of {k} drafted tokens: classic speculative decoding, what vLLM and "
+            f"transformers' assisted generation draft",
+        )
+    p["eagle2"] = Preset(
+        TreeConfig.dynamic(depth=6, top_k=10, num_nodes=60),
+        "EAGLE-2 defaults for GPUs (EAGLE repository: total_token=60, depth=5, top_k=10); "
+        "61 tokens per verify pays off where a verify costs about one decode step",
+    )
+    p["eagle2-deep"] = Preset(
+        TreeConfig.dynamic(depth=8, top_k=10, num_nodes=60),
+        "EAGLE-2 with EAGLE's from_pretrained defaults (total_token=60, depth=7, top_k=10); "
+        "for strong heads on GPUs",
+    )
+    p["eagle2-qwen3"] = Preset(
+        TreeConfig.dynamic(depth=9, top_k=4, num_nodes=32),
+        "the EAGLE repository's evaluation setting for Qwen3 (total_token=32, depth=8, top_k=4)",
+    )
+    p["cpu"] = Preset(
+        TreeConfig.dynamic(depth=5, top_k=4, num_nodes=16),
+        "a small dynamic tree for CPUs: verifying 16-32 tokens already costs about two decode "
+        "steps there (measured on SmolLM2-135M, 2 cores), so keep the tree narrow",
+    )
+    p["cpu-tiny"] = Preset(
+        TreeConfig.dynamic(depth=4, top_k=2, num_nodes=8),
+        "the smallest dynamic tree: for weak drafts or very slow verifies",
+    )
+    p["eagle1"] = Preset(
+        TreeConfig.static(_EAGLE1_TREE),
+        "EAGLE-1's static 25-node tree (EAGLE repository, model/choices.py mc_sim_7b_63)",
+    )
+    p["medusa-63"] = Preset(
+        TreeConfig.static(_MEDUSA_63),
+        "Medusa's default 63-node static tree (Medusa repository, medusa_choices.py "
+        "mc_sim_7b_63), found by simulation on Vicuna-7B",
+    )
+    return MappingProxyType(p)
+
+
+PRESETS: Mapping[str, Preset] = _presets()

@@ -1,0 +1,418 @@
+"""The decoding loop: prefill, then draft tree -> verify -> commit until every request ends.
+
+    stream(...)    a generator of per-step commits (the one loop)
+    generate(...)  runs stream to the end and collects sequences and metrics
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+
+from .config import TreeConfig
+from .drafters.base import DraftStart, Drafter
+from .mask import causal_mask
+from .runner import ModelRunner
+from .sampling import UNSUPPORTED_OPTIONS, SamplingParams
+from .tree import Tree
+from .verify import Verdict, verify_greedy, verify_sampling
+
+__all__ = ["generate", "stream", "GenerateOutput", "SpecMetrics", "RequestMetrics", "StepOutput"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestMetrics:
+    num_steps: int = 0  # verify forwards this request took part in
+    num_generated: int = 0  # tokens generated (prefill's first token included)
+    accepted: list[int] = field(default_factory=list)  # drafted tokens accepted per step
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens committed per verify forward, the bonus included (tau)."""
+        return (sum(self.accepted) + len(self.accepted)) / max(len(self.accepted), 1)
+
+
+@dataclass
+class SpecMetrics:
+    """Counters of one generation.
+
+    ``mean_accepted_length`` (tau) is the mean over (request, verify step) pairs of the
+    tokens committed, bonus included; the first token, produced by prefill, is not part
+    of it. ``acceptance_counts[d-1]`` counts the (request, step) pairs that accepted at
+    least ``d`` drafted tokens; dividing by ``num_request_steps`` gives the acceptance rate
+    by draft position.
+    """
+
+    num_steps: int = 0
+    num_generated: int = 0
+    num_request_steps: int = 0
+    acceptance_counts: list[int] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    total_seconds: float = 0.0
+    tree_tokens: int = 0  # tokens run through verify forwards (roots included)
+    requests: list[RequestMetrics] = field(default_factory=list)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        acc = [a for r in self.requests for a in r.accepted]
+        return (sum(acc) + len(acc)) / max(len(acc), 1)
+
+    @property
+    def acceptance_rate_by_position(self) -> list[float]:
+        return [c / max(self.num_request_steps, 1) for c in self.acceptance_counts]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_generated / self.total_seconds if self.total_seconds > 0 else 0.0
+
+    def _record(self, req: int, accepted: int, committed: int):
+        r = self.requests[req]
+        r.num_steps += 1
+        r.accepted.append(accepted)
+        r.num_generated += committed
+        self.num_generated += committed
+        self.num_request_steps += 1
+        while len(self.acceptance_counts) < accepted:
+            self.acceptance_counts.append(0)
+        for d in range(accepted):
+            self.acceptance_counts[d] += 1
+
+    def summary(self) -> dict:
+        return {
+            "num_steps": self.num_steps,
+            "num_generated": self.num_generated,
+            "mean_accepted_length": self.mean_accepted_length,
+            "acceptance_rate_by_position": self.acceptance_rate_by_position,
+            "prefill_seconds": self.prefill_seconds,
+            "draft_seconds": self.draft_seconds,
+            "verify_seconds": self.verify_seconds,
+            "total_seconds": self.total_seconds,
+            "tokens_per_second": self.tokens_per_second,
+        }
+
+
+@dataclass
+class StepOutput:
+    """Tokens committed in one step: ``tokens[i]`` for request i (empty if it was idle),
+    ``finished[i]`` once request i has ended. ``metrics`` is the live counter object."""
+
+    step: int
+    tokens: list[list[int]]
+    finished: list[bool]
+    metrics: SpecMetrics
+
+
+@dataclass
+class GenerateOutput:
+    """``sequences[i]``: request i's generated ids (prompt excluded, EOS kept if produced)."""
+
+    sequences: list[list[int]]
+    metrics: SpecMetrics
+
+    def __getitem__(self, i):
+        return self.sequences[i]
+
+
+def _prompts(input_ids) -> tuple[list[list[int]], bool]:
+    def one(x):
+        if isinstance(x, torch.Tensor):
+            if x.dim() == 2 and x.shape[0] == 1:
+                x = x[0]
+            if x.dim() != 1:
+                raise ValueError(f"a prompt tensor must be 1-D token ids, got shape {tuple(x.shape)}")
+            if x.dtype.is_floating_point or x.dtype == torch.bool:
+                raise ValueError(f"prompt token ids must be integers, got {x.dtype}")
+            return [int(t) for t in x.tolist()]
+        out = [int(t) for t in x]
+        return out
+
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() == 2 and input_ids.shape[0] > 1:
+            return [one(r) for r in input_ids], False
+        return [one(input_ids)], True
+    if not isinstance(input_ids, (list, tuple)) or len(input_ids) == 0:
+        raise ValueError("input_ids must be a non-empty list of ints, a 1-D tensor, or a list of those")
+    if all(isinstance(t, int) or (isinstance(t, torch.Tensor) and t.dim() == 0) for t in input_ids):
+        return [one(input_ids)], True
+    return [one(p) for p in input_ids], False
+
+
+def _eos_set(model, eos_token_id) -> set[int]:
+    if eos_token_id is None:
+        eos_token_id = getattr(model.generation_config, "eos_token_id", None)
+    if eos_token_id is None:
+        return set()
+    if isinstance(eos_token_id, int):
+        return {eos_token_id}
+    return {int(e) for e in eos_token_id}
+
+
+def _resolve_draft(draft) -> Drafter:
+    if isinstance(draft, Drafter):
+        return draft
+    if isinstance(draft, str) and draft == "ngram":
+        from .drafters.ngram import NgramDrafter
+
+        return NgramDrafter()
+    raise ValueError(
+        f"draft must be a treespec Drafter (ModelDrafter, NgramDrafter, EagleDrafter, ...) "
+        f"or 'ngram', got {type(draft).__name__}"
+    )
+
+
+def _generators(seed, n: int, device) -> list[torch.Generator | None]:
+    if seed is None:
+        return [None] * n
+    seeds = [seed + i for i in range(n)] if isinstance(seed, int) else list(seed)
+    if len(seeds) != n:
+        raise ValueError(f"seed gives {len(seeds)} seeds for {n} requests")
+    gens = []
+    for s in seeds:
+        g = torch.Generator(device="cpu")
+        g.manual_seed(int(s))
+        gens.append(g)
+    return gens
+
+
+def stream(
+    model,
+    draft,
+    tree_cfg,
+    input_ids,
+    *,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    seed: int | Sequence[int] | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    attention_backend: str = "auto",
+    page_size: int = 16,
+    **options,
+) -> Iterator[StepOutput]:
+    """Decode with tree speculation, yielding the tokens each step commits.
+
+    The output is what ``model`` alone produces: identical tokens under greedy decoding
+    (``temperature=0``), the same distribution under sampling (temperature, top_k, top_p,
+    min_p, applied at every tree node). See :func:`generate` for the arguments.
+    ``seed`` is an int (request i uses ``seed + i``) or one seed per request; each request
+    has its own generator, so its output does not depend on its batch.
+    """
+    for name in options:
+        if name in UNSUPPORTED_OPTIONS:
+            raise ValueError(
+                f"{name} is not supported: it changes the output distribution and treespec "
+                f"cannot apply it losslessly at every tree node; supported sampling options "
+                f"are temperature, top_k, top_p and min_p"
+            )
+        raise TypeError(f"unexpected keyword argument {name!r}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    params = SamplingParams(temperature, top_k, top_p, min_p)
+    cfg = TreeConfig.preset(tree_cfg) if isinstance(tree_cfg, str) else tree_cfg
+    if not isinstance(cfg, TreeConfig):
+        raise ValueError(f"tree_cfg must be a TreeConfig or a preset name, got {type(tree_cfg).__name__}")
+    drafter = _resolve_draft(draft)
+    prompts, _ = _prompts(input_ids)
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    drafter.check_compatible(model)
+    runner = ModelRunner(model, attention_backend, feature_layers=drafter.features_for(model))
+    vocab = runner.vocab_size
+    for p in prompts:
+        bad = [t for t in p if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the model's vocabulary (0..{vocab - 1})")
+    eos = _eos_set(model, eos_token_id)
+    gens = _generators(seed, len(prompts), runner.device)
+    yield from _loop(runner, drafter, cfg, prompts, params, eos, gens, max_new_tokens, page_size)
+
+
+def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts, params: SamplingParams,
+          eos: set[int], gens, max_new: int, page_size: int) -> Iterator[StepOutput]:
+    B = len(prompts)
+    metrics = SpecMetrics(requests=[RequestMetrics() for _ in range(B)])
+    t_start = time.perf_counter()
+    max_pos = runner.max_positions
+    with runner.attached():
+        cache = runner.new_cache([len(p) + max_new + cfg.max_tree_tokens for p in prompts], page_size)
+        seqs = [cache.add_sequence() for _ in prompts]
+        needs_features = bool(runner.feature_layers)
+
+        # ---- prefill: the whole prompt; its last logits give the first token ----
+        t0 = time.perf_counter()
+        out = runner.forward(
+            cache, seqs, [torch.tensor(p) for p in prompts], [torch.arange(len(p)) for p in prompts],
+            [causal_mask(len(p)) for p in prompts], logits_rows=[[len(p) - 1] for p in prompts],
+            capture=needs_features,
+        )
+        for s, p in zip(seqs, prompts):
+            cache.commit(s, torch.arange(len(p)))
+        first = [_pick(out.logits[b][0], params, gens[b]) for b in range(B)]
+        metrics.prefill_seconds = time.perf_counter() - t0
+        generated = [[t] for t in first]
+        done = [t in eos or max_new == 1 for t in first]
+        for r in metrics.requests:
+            r.num_generated = 1
+        metrics.num_generated = B
+        metrics.total_seconds = time.perf_counter() - t_start
+        yield StepOutput(0, [[t] for t in first], list(done), metrics)
+
+        t0 = time.perf_counter()
+        session = drafter.start(runner.model, DraftStart(
+            prompts=[list(p) for p in prompts], first_tokens=first,
+            features=out.features if needs_features else None, max_new_tokens=max_new, tree_cfg=cfg,
+        ))
+        for b in range(B):
+            if done[b]:
+                session.finish(b)
+        metrics.draft_seconds += time.perf_counter() - t0
+
+        step = 0
+        while not all(done):
+            step += 1
+            active = [b for b in range(B) if not done[b]]
+            roots = [generated[b][-1] for b in active]
+            committed_len = [cache.seq_lens[seqs[b]] for b in active]
+            # Deepest node worth drafting: committing depth+1 tokens must fit the budget, and
+            # positions must stay below the model's maximum.
+            max_depth = []
+            for b, L in zip(active, committed_len):
+                d = max_new - len(generated[b]) - 1
+                if max_pos is not None:
+                    d = min(d, max_pos - 1 - L)
+                max_depth.append(max(d, 0))
+
+            t0 = time.perf_counter()
+            trees = session.propose(active, roots, max_depth)
+            trees = [t.prune(max_depth=d, max_nodes=cfg.num_nodes) for t, d in zip(trees, max_depth)]
+            for t, root in zip(trees, roots):
+                if t.tokens is None or int(t.tokens[0]) != root:
+                    raise RuntimeError(f"{type(drafter).__name__} proposed a tree whose root is not the last committed token")
+            metrics.draft_seconds += time.perf_counter() - t0
+
+            t0 = time.perf_counter()
+            out = runner.forward(
+                cache, [seqs[b] for b in active], [t.tokens for t in trees],
+                [t.position_ids(L) for t, L in zip(trees, committed_len)],
+                [t.attention_mask() for t in trees], capture=needs_features,
+            )
+            verdicts = _verify(trees, out.logits, params, [gens[b] for b in active])
+            commit_tokens, commit_feats = [], []
+            step_tokens = [[] for _ in range(B)]
+            for i, (b, v) in enumerate(zip(active, verdicts)):
+                toks = v.tokens[: max_new - len(generated[b])]
+                hit = next((j for j, t in enumerate(toks) if t in eos), None)
+                if hit is not None:
+                    toks = toks[: hit + 1]
+                path = v.path[: len(toks)]  # the root and the accepted nodes whose KV is kept
+                cache.commit(seqs[b], committed_len[i] + torch.tensor(path))
+                generated[b].extend(toks)
+                step_tokens[b] = toks
+                metrics._record(b, len(toks) - 1, len(toks))
+                if hit is not None or len(generated[b]) >= max_new:
+                    done[b] = True
+                commit_tokens.append(toks)
+                if needs_features:
+                    commit_feats.append(out.features[i][torch.tensor(path)])
+            metrics.num_steps += 1
+            metrics.tree_tokens += sum(t.num_nodes for t in trees)
+            metrics.verify_seconds += time.perf_counter() - t0
+
+            t0 = time.perf_counter()
+            live = [i for i, b in enumerate(active) if not done[b]]
+            session.commit([active[i] for i in live], [commit_tokens[i] for i in live],
+                           [commit_feats[i] for i in live] if needs_features else None)
+            for b in active:
+                if done[b]:
+                    session.finish(b)
+                    cache.free_sequence(seqs[b])
+            metrics.draft_seconds += time.perf_counter() - t0
+            metrics.total_seconds = time.perf_counter() - t_start
+            yield StepOutput(step, step_tokens, list(done), metrics)
+    metrics.total_seconds = time.perf_counter() - t_start
+
+
+def _pick(logits: torch.Tensor, params: SamplingParams, gen) -> int:
+    if params.greedy:
+        return int(logits.argmax())
+    probs = params.probs(logits[None].float())[0]
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def _verify(trees: list[Tree], logits: list[torch.Tensor], params: SamplingParams, gens) -> list[Verdict]:
+    n = max(t.num_nodes for t in trees)
+    padded = torch.zeros(len(trees), n, logits[0].shape[-1], dtype=torch.float32, device=logits[0].device)
+    for i, l in enumerate(logits):
+        padded[i, : l.shape[0]] = l.float()
+    if params.greedy:
+        return verify_greedy(trees, padded.argmax(-1))
+    probs = params.probs(padded)
+    # Each request draws from its own generator, shaped by its own tree only, so its
+    # samples do not depend on the other requests of the batch.
+    D = max(t.max_depth for t in trees)
+    C = max(int(t.children_count().max()) for t in trees)
+    u = torch.zeros(len(trees), D + 1, C + 1)
+    for i, (t, g) in enumerate(zip(trees, gens)):
+        d, c = t.max_depth, int(t.children_count().max())
+        draw = torch.rand(d + 1, c + 1, generator=g)
+        u[i, : d + 1, :c] = draw[:, :c]
+        u[i, : d + 1, C] = draw[:, c]  # the bonus column
+    return verify_sampling(trees, probs, u.to(probs.device))
+
+
+def generate(
+    model,
+    draft,
+    tree_cfg,
+    input_ids,
+    *,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    seed: int | Sequence[int] | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    attention_backend: str = "auto",
+    **options,
+) -> GenerateOutput:
+    """Generate with tree speculation; same output as ``model`` alone.
+
+    Args:
+        model:      a transformers causal LM (llama, qwen2, qwen3, mistral families), used as
+                    is; its attention implementation is restored before this returns.
+        draft:      a :class:`~treespec.drafters.base.Drafter` (``ModelDrafter``,
+                    ``NgramDrafter``, ``EagleDrafter``, ``Eagle3Drafter``) or ``"ngram"``.
+        tree_cfg:   a :class:`TreeConfig` or a preset name (``treespec.PRESETS``).
+        input_ids:  one prompt (1-D tensor or list of ints) or a list of prompts of any lengths.
+        max_new_tokens: per request; EOS (``eos_token_id`` or the model's generation config)
+                    ends a request early and is kept in its output.
+        temperature, top_k, top_p, min_p: sampling (``temperature=0`` is greedy).
+        seed:       int or one per request, for reproducible sampling.
+        attention_backend: ``"auto"`` (FlashInfer on CUDA when installed), ``"torch"`` or
+                    ``"flashinfer"``.
+    Returns:
+        :class:`GenerateOutput` with ``sequences`` and ``metrics``.
+    """
+    prompts, _ = _prompts(input_ids)
+    seqs = [[] for _ in prompts]
+    metrics = None
+    for out in stream(
+        model, draft, tree_cfg, input_ids, max_new_tokens=max_new_tokens, temperature=temperature,
+        top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, eos_token_id=eos_token_id,
+        attention_backend=attention_backend, **options,
+    ):
+        for s, t in zip(seqs, out.tokens):
+            s.extend(t)
+        metrics = out.metrics
+    return GenerateOutput(seqs, metrics)

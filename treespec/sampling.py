@@ -1,0 +1,85 @@
+"""Sampling parameters and the processed target distribution.
+
+The verifier applies the same processing at every tree node that plain sampling applies
+at every step, in transformers' order (temperature, top-k, top-p, min-p), using
+transformers' own warpers so that "the distribution of ``model.generate``" means exactly
+that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+__all__ = ["SamplingParams", "UNSUPPORTED_OPTIONS"]
+
+# Options of transformers' GenerationConfig that change the distribution. treespec refuses
+# them instead of silently ignoring them (each would need its own lossless treatment).
+UNSUPPORTED_OPTIONS = (
+    "repetition_penalty", "frequency_penalty", "presence_penalty", "no_repeat_ngram_size",
+    "logit_bias", "sequence_bias", "bad_words_ids", "typical_p", "epsilon_cutoff",
+    "eta_cutoff", "top_h", "num_beams", "num_return_sequences", "logits_processor",
+    "min_new_tokens", "min_length", "suppress_tokens", "begin_suppress_tokens",
+    "forced_bos_token_id", "forced_eos_token_id", "guidance_scale", "renormalize_logits",
+    "encoder_repetition_penalty", "exponential_decay_length_penalty", "diversity_penalty",
+    "watermarking_config", "do_sample", "attention_mask",
+)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """``temperature == 0`` means greedy decoding; the other fields then must be unset."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+
+    def __post_init__(self):
+        t = self.temperature
+        if not isinstance(t, (int, float)) or t != t or t < 0 or t == float("inf"):
+            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
+            raise ValueError(f"top_k must be a positive int or None, got {self.top_k!r}")
+        if self.top_p is not None and not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.min_p is not None and not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.greedy and any(v is not None for v in (self.top_k, self.top_p, self.min_p)):
+            raise ValueError(
+                "top_k, top_p and min_p apply to sampling: with temperature=0 (greedy) they "
+                "would be ignored; set temperature > 0 or leave them unset"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def warpers(self) -> LogitsProcessorList:
+        out = LogitsProcessorList()
+        if self.temperature != 1.0:
+            out.append(TemperatureLogitsWarper(float(self.temperature)))
+        if self.top_k is not None:
+            out.append(TopKLogitsWarper(self.top_k))
+        if self.top_p is not None and self.top_p < 1.0:
+            out.append(TopPLogitsWarper(self.top_p))
+        if self.min_p is not None:
+            out.append(MinPLogitsWarper(self.min_p))
+        return out
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """float32 ``[..., V]``: the processed distribution of each row of ``logits``."""
+        if self.greedy:
+            raise ValueError("greedy decoding has no sampling distribution")
+        shape = logits.shape
+        scores = logits.reshape(-1, shape[-1]).float()
+        scores = self.warpers()(None, scores)
+        return torch.softmax(scores, dim=-1).reshape(shape)

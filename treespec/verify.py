@@ -1,0 +1,213 @@
+"""Choosing what to commit from one verified tree.
+
+Glossary:
+    root      node 0, the newest committed token; the target's distribution at the root
+              decides the first new token.
+    node      a drafted token; its target distribution (the logits at that node) decides
+              the token after it.
+    path      root-to-node chain of nodes.
+    accepted  drafted nodes on the chosen path: each one is a token the target would have
+              produced at that point (greedy) or that passed the rejection test (sampling).
+    bonus     the one token the target emits after the last accepted node: its argmax or a
+              sample from the residual distribution (a *correction* when a child was
+              rejected; a plain sample at a leaf). It is committed but its KV is not: it
+              becomes the next step's root.
+
+Per step a request commits ``len(accepted) + 1`` tokens, at least one (the bonus), so
+speculation never slows the token rate per forward below plain decoding.
+
+Both rules are vectorised over the batch of requests (padded to ``n_max`` nodes) with a
+loop over depth for sampling. Letters: B requests, n nodes (root included), V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .tree import Tree
+
+__all__ = ["Verdict", "PaddedTrees", "pad_trees", "verify_greedy", "verify_sampling"]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What one request commits this step.
+
+    Attributes:
+        path:   node indices of the accepted path, root first (``len = accepted + 1``).
+        tokens: the committed tokens: the accepted drafted tokens, then the bonus.
+    """
+
+    path: list[int]
+    tokens: list[int]
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.path) - 1
+
+
+@dataclass(frozen=True)
+class PaddedTrees:
+    """A batch of trees padded to ``n`` nodes (padding nodes are invalid leaves).
+
+    tokens, parents, depth: int64 ``[B, n]``; valid: bool ``[B, n]``; mask: bool ``[B, n, n]``.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depth: torch.Tensor
+    valid: torch.Tensor
+    mask: torch.Tensor
+
+
+def pad_trees(trees: list[Tree], device=None) -> PaddedTrees:
+    B = len(trees)
+    n = max(t.num_nodes for t in trees)
+    tokens = torch.zeros(B, n, dtype=torch.int64)
+    parents = torch.zeros(B, n, dtype=torch.int64)
+    depth = torch.zeros(B, n, dtype=torch.int64)
+    valid = torch.zeros(B, n, dtype=torch.bool)
+    mask = torch.zeros(B, n, n, dtype=torch.bool)
+    for b, t in enumerate(trees):
+        if t.tokens is None:
+            raise ValueError("verification needs trees with tokens")
+        m = t.num_nodes
+        tokens[b, :m] = t.tokens
+        parents[b, 1:m] = t.parents[1:]
+        depth[b, :m] = t.depth
+        valid[b, :m] = True
+        mask[b, :m, :m] = t.attention_mask()
+    return PaddedTrees(*(x.to(device) for x in (tokens, parents, depth, valid, mask)))
+
+
+def verify_greedy(trees: list[Tree], target_argmax: torch.Tensor) -> list[Verdict]:
+    """Longest path whose every token equals the target's argmax at its parent.
+
+    Args:
+        trees:         B trees with tokens.
+        target_argmax: int64 ``[B, n_max]``, the target's argmax at each node (padding ignored).
+    """
+    pt = pad_trees(trees, target_argmax.device)
+    pred = target_argmax
+    correct = pt.tokens == pred.gather(1, pt.parents)  # a node matches its parent's argmax
+    correct[:, 0] = True
+    # A node is reachable if it and all its ancestors match: no False under its mask row.
+    ok = ~(pt.mask & ~correct[:, None, :]).any(-1) & pt.valid
+    # Siblings carry distinct tokens, so at most one node per depth is reachable.
+    best = torch.where(ok, pt.depth, -1).argmax(dim=1)  # [B]
+    out = []
+    for b in range(len(trees)):
+        path = torch.nonzero(pt.mask[b, best[b]]).flatten().tolist()
+        toks = pt.tokens[b, path[1:]].tolist() + [int(pred[b, best[b]])]
+        out.append(Verdict(path, toks))
+    return out
+
+
+def _sample_inverse_cdf(r: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Sample from unnormalised rows ``r`` ``[B, V]`` with uniforms ``u`` ``[B]``."""
+    cdf = r.cumsum(-1)
+    x = (u * cdf[:, -1])[:, None]
+    # First index whose cdf exceeds x: zero-probability tokens can never be picked.
+    idx = torch.searchsorted(cdf, x, right=True).squeeze(1)
+    return idx.clamp_(max=r.shape[-1] - 1)
+
+
+def verify_sampling(
+    trees: list[Tree],
+    target_probs: torch.Tensor,
+    uniforms: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+) -> list[Verdict]:
+    """Lossless recursive rejection sampling over each tree.
+
+    From the root: let ``r`` be the processed target distribution at the current node.
+    Try its children in node order. With deterministic drafts (``draft_probs`` None: the
+    children are the drafter's top-k, so their draft probability is taken as 1) accept child
+    x with probability ``r[x] / sum(r)``, else set ``r[x] = 0`` and try the next. With drafts
+    sampled *without replacement* from a known ``q`` at the node, accept with
+    ``min(1, r[x] / q[x])``, else ``r <- max(r - q, 0)`` and ``q[x] <- 0`` (both renormalised).
+    An accepted child becomes the current node; when every child is rejected (or at a
+    leaf) the bonus is sampled from ``r``. Either way the committed token at each position
+    is distributed exactly as the target's processed distribution (docs/runtime.md).
+
+    Args:
+        trees:        B trees with tokens (siblings distinct).
+        target_probs: float ``[B, n_max, V]``: processed target distribution at each node.
+        uniforms:     float ``[B, D+1, C+1]`` in [0, 1): ``D >= max depth``, ``C >= most
+                      children of any node``. Entry ``[b, d, c]`` decides child ``c`` at
+                      depth ``d``; entry ``[b, d, C]`` samples the bonus. Drawing them per
+                      request from its own generator keeps requests independent.
+        draft_probs:  float ``[B, n_max, V]`` or None: the distribution each node's children
+                      were sampled from.
+    """
+    device = target_probs.device
+    pt = pad_trees(trees, device)
+    B, n = pt.tokens.shape
+    C = uniforms.shape[2] - 1
+    arange_b = torch.arange(B, device=device)
+    # children[b, i, c] = node index of the c-th child of node i (-1 = none).
+    child_rank = torch.zeros(B, n, dtype=torch.int64, device=device)
+    children = torch.full((B, n, C), -1, dtype=torch.int64, device=device)
+    for b, t in enumerate(trees):
+        seen: dict[int, int] = {}
+        for i, p in enumerate(t.parents.tolist()[1:], start=1):
+            c = seen.get(p, 0)
+            if c >= C:
+                raise ValueError(f"uniforms allow {C} children per node, tree has more")
+            children[b, p, c] = i
+            seen[p] = c + 1
+    if uniforms.shape[1] <= int(pt.depth.max()):
+        raise ValueError("uniforms must cover every depth of every tree")
+
+    node = torch.zeros(B, dtype=torch.int64, device=device)
+    alive = torch.ones(B, dtype=torch.bool, device=device)
+    paths = [[0] for _ in range(B)]
+    toks: list[list[int]] = [[] for _ in range(B)]
+    for d in range(uniforms.shape[1]):
+        r = target_probs[arange_b, node].clone()  # [B, V]
+        q = None if draft_probs is None else draft_probs[arange_b, node].clone()
+        chosen = torch.full((B,), -1, dtype=torch.int64, device=device)
+        for c in range(C):
+            child = children[arange_b, node, c]
+            test = alive & (chosen < 0) & (child >= 0)
+            if not test.any():
+                break
+            x = pt.tokens[arange_b, child.clamp(min=0)]
+            rx = r[arange_b, x]
+            u = uniforms[:, d, c]
+            if q is None:
+                # P(u < r[x]/sum r) = r[x]/sum r; a zero-probability token is never taken.
+                acc = test & (u * r.sum(-1) < rx)
+                rej = test & ~acc
+                r[rej, x[rej]] = 0
+            else:
+                qx = q[arange_b, x] / q.sum(-1)
+                acc = test & (u * qx * r.sum(-1) < rx)  # u < min(1, r/q)
+                rej = test & ~acc
+                if rej.any():
+                    rn = r[rej] / r[rej].sum(-1, keepdim=True)
+                    qn = q[rej] / q[rej].sum(-1, keepdim=True)
+                    resid = (rn - qn).clamp_(min=0)
+                    # Numerically r <= q everywhere: fall back to r itself.
+                    empty = resid.sum(-1, keepdim=True) <= 0
+                    r[rej] = torch.where(empty, rn, resid)
+                    qr = q[rej]
+                    qr[torch.arange(qr.shape[0], device=device), x[rej]] = 0
+                    q[rej] = qr
+            chosen = torch.where(acc, child, chosen)
+        stop = alive & (chosen < 0)
+        if stop.any():
+            bonus = _sample_inverse_cdf(r[stop], uniforms[stop, d, C])
+            for b, tok in zip(torch.nonzero(stop).flatten().tolist(), bonus.tolist()):
+                toks[b].append(tok)
+        go = alive & (chosen >= 0)
+        for b in torch.nonzero(go).flatten().tolist():
+            paths[b].append(int(chosen[b]))
+            toks[b].append(int(pt.tokens[b, chosen[b]]))
+        node = torch.where(go, chosen, node)
+        alive = go
+        if not alive.any():
+            break
+    return [Verdict(p, t) for p, t in zip(paths, toks)]
