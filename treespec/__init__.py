@@ -14,6 +14,7 @@ from .engine import GenerateOutput, RequestMetrics, SpecMetrics, StepOutput, gen
 from .mask import pack_mask, unpack_mask
 from .sampling import SamplingParams
 from .tree import Tree
+from .drafters.eagle import load_draft
 
 __version__ = "0.1.0"
 
@@ -21,5 +22,5 @@ _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
 __all__ = [
     "Tree", "TreeConfig", "PRESETS", "Preset", "pack_mask", "unpack_mask", "generate", "stream",
-    "GenerateOutput", "SpecMetrics", "RequestMetrics", "StepOutput", "SamplingParams",
+    "GenerateOutput", "SpecMetrics", "RequestMetrics", "StepOutput", "SamplingParams", "load_draft",
 ]

@@ -3,5 +3,6 @@
 from .base import DraftSession, DraftStart, Drafter
 from .model import ModelDrafter
 from .ngram import NgramDrafter
+from .eagle import Eagle3Drafter, EagleDrafter, EagleHead, load_draft
 
-__all__ = ["Drafter", "DraftSession", "DraftStart", "ModelDrafter", "NgramDrafter"]
+__all__ = ["Drafter", "DraftSession", "DraftStart", "ModelDrafter", "NgramDrafter", "EagleDrafter", "Eagle3Drafter", "EagleHead", "load_draft"]

@@ -1,0 +1,491 @@
+"""EAGLE draft heads: a one-layer decoder that reads the target's own hidden states.
+
+EAGLE-1/2 (:class:`EagleDrafter`): draft input i is ``fc(cat(embed(token_{i+1}), f_i))``
+with ``f_i`` the target's final (post-norm) hidden state at position i; the head's output
+goes through the *target's* ``lm_head``. EAGLE-3 (:class:`Eagle3Drafter`): ``f_i`` fuses
+the hidden states entering three target layers (low, mid, high) through ``fc``; the layer
+attends over ``cat(input_layernorm(embed), hidden_norm(hidden))`` and the head has its own
+``norm`` and a ``lm_head`` over a reduced draft vocabulary, mapped back to target ids by
+``d2t`` (``target = draft + d2t[draft]``).
+
+The shift by one: the draft's entry i pairs the target state at position i with the token
+*after* it, so the entry for the last committed position pairs with the root token and
+predicts the root's children. When a tree node of depth d is drafted, its "feature" is its
+parent's draft output (the head's guess of the target state), its position is the root's
+draft position + d. After each commit the head is re-run on the accepted tokens with the
+target's real features ("draft extend"); its tree entries are dropped.
+
+Checkpoint layouts (facts.md section 2) are read and written as published: EAGLE-1/2
+``fc.*, layers.0.*``; EAGLE-3 ``fc.*, midlayer.*, norm.*, lm_head.*, d2t, t2d`` (vLLM's
+``layers.0.`` spelling of ``midlayer.`` is accepted).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb,
+)
+
+from ..attention import get_backend, make_batch
+from ..builder import Frontier, build_trees
+from ..kv_cache import PagedKVCache
+from ..runner import FINAL_NORM
+from .base import DraftSession, DraftStart, Drafter
+
+__all__ = ["EagleHead", "EagleDrafter", "Eagle3Drafter", "load_draft", "eagle3_feature_layers"]
+
+log = logging.getLogger(__name__)
+
+
+def eagle3_feature_layers(num_layers: int) -> tuple[int, int, int]:
+    """Target layers whose input states EAGLE-3 fuses (low, mid, high)."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    vocab_size: int  # the target's
+    eagle3: bool
+    draft_vocab_size: int
+    target_hidden_size: int
+    fc_bias: bool = False
+    attn_bias: bool = False
+    max_position_embeddings: int = 2048
+
+    @classmethod
+    def from_json(cls, cfg: dict, state: dict) -> "HeadConfig":
+        eagle3 = "draft_vocab_size" in cfg or any(k.startswith("midlayer.") for k in state) or "d2t" in state
+        H = cfg["hidden_size"]
+        heads = cfg["num_attention_heads"]
+        rope = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0
+        if (cfg.get("rope_scaling") or {}).get("rope_type", "default") not in ("default", None):
+            raise ValueError(f"EAGLE head rope_scaling {cfg['rope_scaling']} is not supported")
+        prefix = "midlayer." if eagle3 else "layers.0."
+        return cls(
+            hidden_size=H,
+            intermediate_size=cfg["intermediate_size"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or H // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope),
+            vocab_size=cfg["vocab_size"],
+            eagle3=eagle3,
+            draft_vocab_size=cfg.get("draft_vocab_size") or cfg["vocab_size"],
+            target_hidden_size=cfg.get("target_hidden_size") or H,
+            fc_bias="fc.bias" in state,
+            attn_bias=f"{prefix}self_attn.q_proj.bias" in state,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        )
+
+    def to_json(self) -> dict:
+        out = {
+            "architectures": ["LlamaForCausalLMEagle3" if self.eagle3 else "LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "num_hidden_layers": 1,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "vocab_size": self.vocab_size,
+            "max_position_embeddings": self.max_position_embeddings,
+            "hidden_act": "silu",
+            "torch_dtype": "float16",
+        }
+        if self.eagle3:
+            out["draft_vocab_size"] = self.draft_vocab_size
+            out["target_hidden_size"] = self.target_hidden_size
+        if self.fc_bias:
+            out["bias"] = True
+        return out
+
+    def llama_config(self) -> LlamaConfig:
+        return LlamaConfig(
+            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
+            head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
+            max_position_embeddings=self.max_position_embeddings, hidden_act="silu", vocab_size=self.vocab_size,
+        )
+
+
+class _Attention(nn.Module):
+    def __init__(self, c: HeadConfig):
+        super().__init__()
+        inp = 2 * c.hidden_size if c.eagle3 else c.hidden_size
+        self.q_proj = nn.Linear(inp, c.num_heads * c.head_dim, bias=c.attn_bias)
+        self.k_proj = nn.Linear(inp, c.num_kv_heads * c.head_dim, bias=c.attn_bias)
+        self.v_proj = nn.Linear(inp, c.num_kv_heads * c.head_dim, bias=c.attn_bias)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+
+
+class _Layer(nn.Module):
+    def __init__(self, c: HeadConfig):
+        super().__init__()
+        lc = c.llama_config()
+        self.self_attn = _Attention(c)
+        self.mlp = LlamaMLP(lc)
+        self.post_attention_layernorm = LlamaRMSNorm(c.hidden_size, c.rms_norm_eps)
+        if c.eagle3:
+            self.input_layernorm = LlamaRMSNorm(c.hidden_size, c.rms_norm_eps)
+            self.hidden_norm = LlamaRMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class EagleHead(nn.Module):
+    """The draft head's weights and math; attention is supplied by the caller so the same
+    head runs on treespec's paged cache (inference) or on dense masks (training).
+
+    ``embed`` and (EAGLE-1/2) ``lm_head`` are the target's, held by reference and frozen.
+    """
+
+    def __init__(self, c: HeadConfig, embed: nn.Embedding, target_lm_head: nn.Module | None):
+        super().__init__()
+        self.config = c
+        F_in = 3 * c.target_hidden_size if c.eagle3 else 2 * c.hidden_size
+        self.fc = nn.Linear(F_in, c.hidden_size, bias=c.fc_bias)
+        self.layer = _Layer(c)
+        self.rotary = LlamaRotaryEmbedding(config=c.llama_config())
+        self._embed = [embed]  # a list: not registered as a submodule, never saved
+        self._target_lm_head = [target_lm_head]
+        if c.eagle3:
+            self.norm = LlamaRMSNorm(c.hidden_size, c.rms_norm_eps)
+            self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+            self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.int64))
+            self.register_buffer("t2d", torch.ones(c.vocab_size, dtype=torch.bool))
+
+    @classmethod
+    def for_target(cls, target_model, eagle3: bool = True, draft_vocab_size: int | None = None,
+                   intermediate_size: int | None = None) -> "EagleHead":
+        """A freshly initialised head shaped for ``target_model`` (for training)."""
+        tc = target_model.config
+        V, H = target_model.get_input_embeddings().weight.shape
+        heads = tc.num_attention_heads
+        c = HeadConfig(
+            hidden_size=H, intermediate_size=intermediate_size or tc.intermediate_size,
+            num_heads=heads, num_kv_heads=getattr(tc, "num_key_value_heads", None) or heads,
+            head_dim=getattr(tc, "head_dim", None) or H // heads, rms_norm_eps=tc.rms_norm_eps,
+            rope_theta=float((getattr(tc, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
+            vocab_size=V, eagle3=eagle3, draft_vocab_size=(draft_vocab_size or V) if eagle3 else V,
+            target_hidden_size=tc.hidden_size,
+            max_position_embeddings=getattr(tc, "max_position_embeddings", 2048),
+        )
+        head = cls(c, target_model.get_input_embeddings(), None if eagle3 else target_model.get_output_embeddings())
+        if eagle3:
+            head.d2t.zero_()
+            head.t2d.fill_(True) if c.draft_vocab_size == V else head.t2d.zero_()
+        p = next(target_model.parameters())
+        return head.to(device=p.device, dtype=p.dtype)
+
+    # ---- pieces -------------------------------------------------------------------------
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self._embed[0](tokens)
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features ``[T, F]`` -> head input states ``[T, H]`` (EAGLE-3 ``fc``)."""
+        return self.fc(features) if self.config.eagle3 else features
+
+    def qkv_input(self, tokens: torch.Tensor, hidden: torch.Tensor):
+        """Returns ``(attention input, residual)`` for tokens ``[T]`` and states ``[T, H]``."""
+        e = self.embed(tokens).to(hidden.dtype)
+        if self.config.eagle3:
+            x = torch.cat([self.layer.input_layernorm(e), self.layer.hidden_norm(hidden)], -1)
+            return x, hidden
+        x = self.fc(torch.cat([e, hidden], -1))
+        return x, x
+
+    def forward(self, tokens, hidden, positions, attend) -> torch.Tensor:
+        """One head pass.
+
+        Args:
+            tokens:    int64 ``[T]``: the token each entry pairs with.
+            hidden:    ``[T, H]``: target features after :meth:`project`, or draft outputs.
+            positions: int64 ``[T]`` RoPE positions.
+            attend:    ``(q [T, Hq, D], k [T, Hkv, D], v) -> [T, Hq, D]``.
+        Returns:
+            ``[T, H]`` output states (fed to the next depth and to :meth:`logits`).
+        """
+        c = self.config
+        x, residual = self.qkv_input(tokens, hidden)
+        a = self.layer.self_attn
+        T = x.shape[0]
+        q = a.q_proj(x).view(T, c.num_heads, c.head_dim)
+        k = a.k_proj(x).view(T, c.num_kv_heads, c.head_dim)
+        v = a.v_proj(x).view(T, c.num_kv_heads, c.head_dim)
+        cos, sin = self.rotary(x, positions[None])
+        q, k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+        q, k = q[0].transpose(0, 1), k[0].transpose(0, 1)
+        o = attend(q, k, v).reshape(T, c.num_heads * c.head_dim)
+        h = residual + a.o_proj(o)
+        return h + self.layer.mlp(self.layer.post_attention_layernorm(h))
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """``[T, V_draft]`` (EAGLE-3: draft vocabulary; EAGLE-1/2: the target's)."""
+        if self.config.eagle3:
+            return self.lm_head(self.norm(h))
+        return self._target_lm_head[0](h)
+
+    def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids + self.d2t[ids] if self.config.eagle3 else ids
+
+    # ---- checkpoints --------------------------------------------------------------------
+
+    def public_state_dict(self) -> dict[str, torch.Tensor]:
+        """Weights under the published key names."""
+        prefix = "midlayer." if self.config.eagle3 else "layers.0."
+        out = {}
+        for k, v in self.state_dict().items():
+            if k.startswith("rotary."):
+                continue
+            out[k.replace("layer.", prefix, 1) if k.startswith("layer.") else k] = v
+        return out
+
+    def save_pretrained(self, path, dtype=torch.float16) -> None:
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        state = {
+            k: (v.to(dtype) if v.is_floating_point() else v).contiguous()
+            for k, v in self.public_state_dict().items()
+        }
+        save_file(state, str(path / "model.safetensors"))
+        (path / "config.json").write_text(json.dumps(self.config.to_json(), indent=2) + "\n")
+
+
+def _read_state(path: Path) -> dict[str, torch.Tensor]:
+    st = path / "model.safetensors"
+    if st.exists():
+        from safetensors.torch import load_file
+
+        return load_file(str(st))
+    pt = path / "pytorch_model.bin"
+    if pt.exists():
+        return torch.load(str(pt), map_location="cpu", weights_only=True)
+    raise FileNotFoundError(f"{path} has neither model.safetensors nor pytorch_model.bin")
+
+
+def _head_from_dir(path, target_model) -> EagleHead:
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"no EAGLE checkpoint at {path}: config.json is missing")
+    cfg = json.loads((path / "config.json").read_text())
+    state = _read_state(path)
+    c = HeadConfig.from_json(cfg, state)
+    if c.eagle3:  # vLLM writes midlayer.* as layers.0.*
+        state = {("midlayer." + k[len("layers.0."):]) if k.startswith("layers.0.") else k: v for k, v in state.items()}
+    _check_fit(c, state, target_model)
+    emb = target_model.get_input_embeddings()
+    head = EagleHead(c, emb, None if c.eagle3 else target_model.get_output_embeddings())
+    prefix = "midlayer." if c.eagle3 else "layers.0."
+    ours = {}
+    for k, v in state.items():
+        if k.startswith(prefix):
+            ours["layer." + k[len(prefix):]] = v
+        elif k in ("embed_tokens.weight", "lm_head.weight") and not c.eagle3:
+            continue  # EAGLE-1/2 use the target's
+        else:
+            ours[k] = v
+    missing, unexpected = head.load_state_dict(ours, strict=False)
+    missing = [m for m in missing if not m.startswith("rotary.")]
+    if missing or unexpected:
+        raise ValueError(f"EAGLE checkpoint {path} does not fit the layout: missing {missing}, unexpected {unexpected}")
+    p = next(target_model.parameters())
+    return head.to(device=p.device, dtype=p.dtype).eval()
+
+
+def _check_fit(c: HeadConfig, state: dict, target_model) -> None:
+    tc = target_model.config
+    tv = target_model.get_input_embeddings().weight.shape[0]
+    th = tc.hidden_size
+    if c.vocab_size != tv:
+        raise ValueError(f"vocabulary mismatch: the EAGLE head was made for {c.vocab_size} tokens, the target has {tv}")
+    if c.eagle3:
+        d2t = state.get("d2t")
+        if d2t is not None:
+            ids = torch.arange(d2t.numel()) + d2t.to(torch.int64)
+            if d2t.numel() != c.draft_vocab_size or ids.min() < 0 or ids.max() >= tv or ids.unique().numel() != ids.numel():
+                raise ValueError("EAGLE-3 d2t must map each draft id to a distinct target id within the vocabulary")
+        if c.target_hidden_size != th:
+            raise ValueError(f"EAGLE-3 head expects target hidden size {c.target_hidden_size}, the target has {th}")
+        w = state.get("fc.weight")
+        if w is not None and tuple(w.shape) != (c.hidden_size, 3 * th):
+            raise ValueError(f"EAGLE-3 fc.weight is {tuple(w.shape)}, expected {(c.hidden_size, 3 * th)} for this target")
+        if c.hidden_size != target_model.get_input_embeddings().weight.shape[1]:
+            raise ValueError("EAGLE-3 head hidden size differs from the target's embedding size")
+    else:
+        if c.hidden_size != th:
+            raise ValueError(f"EAGLE head hidden size {c.hidden_size} differs from the target's {th}")
+        w = state.get("fc.weight")
+        if w is not None and tuple(w.shape) != (th, 2 * th):
+            raise ValueError(f"EAGLE fc.weight is {tuple(w.shape)}, expected {(th, 2 * th)}")
+
+
+class EagleDrafter(Drafter):
+    """An EAGLE-1/2 head: ``EagleDrafter.from_pretrained(path, target_model)``."""
+
+    def __init__(self, head: EagleHead, attention_backend: str = "auto", page_size: int = 16):
+        self.head = head
+        self.attention_backend = attention_backend
+        self.page_size = page_size
+
+    @classmethod
+    def from_pretrained(cls, path, target_model, **kw):
+        head = _head_from_dir(path, target_model)
+        if head.config.eagle3 and cls is EagleDrafter:
+            raise ValueError(f"{path} is an EAGLE-3 checkpoint: use Eagle3Drafter or treespec.load_draft")
+        if not head.config.eagle3 and cls is Eagle3Drafter:
+            raise ValueError(f"{path} is an EAGLE-1/2 checkpoint: use EagleDrafter or treespec.load_draft")
+        return cls(head, **kw)
+
+    def features_for(self, model):
+        if self.head.config.eagle3:
+            return eagle3_feature_layers(model.config.num_hidden_layers)
+        return (FINAL_NORM,)
+
+    def check_compatible(self, model) -> None:
+        if self.head._embed[0] is not model.get_input_embeddings():
+            raise ValueError("this EAGLE head was loaded for another target model: load it with this target")
+
+    def start(self, model, ctx: DraftStart) -> "EagleSession":
+        if ctx.features is None:
+            raise RuntimeError("EAGLE drafters need target features")
+        return EagleSession(self, ctx)
+
+    def __repr__(self):
+        c = self.head.config
+        kind = "EAGLE-3" if c.eagle3 else "EAGLE-1/2"
+        return f"{type(self).__name__}({kind}, hidden {c.hidden_size}, draft vocab {c.draft_vocab_size})"
+
+
+class Eagle3Drafter(EagleDrafter):
+    """An EAGLE-3 head (fused features, reduced draft vocabulary)."""
+
+
+def load_draft(path_or_name, target_model, **kw) -> EagleDrafter:
+    """Load an EAGLE-1/2 or EAGLE-3 head from a directory or a shipped name; the format is
+    detected from the checkpoint."""
+    from ..assets import resolve_draft
+
+    path = resolve_draft(path_or_name)
+    head = _head_from_dir(path, target_model)
+    return (Eagle3Drafter if head.config.eagle3 else EagleDrafter)(head, **kw)
+
+
+class EagleSession(DraftSession):
+    def __init__(self, drafter: EagleDrafter, ctx: DraftStart):
+        self.head = head = drafter.head
+        c = head.config
+        p = next(head.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.backend = get_backend(drafter.attention_backend, self.device)
+        self.cfg = ctx.tree_cfg
+        room = ctx.tree_cfg.depth * ctx.tree_cfg.top_k + ctx.tree_cfg.num_nodes + 2
+        sizes = [len(pr) + ctx.max_new_tokens + room for pr in ctx.prompts]
+        ps = drafter.page_size
+        self.cache = PagedKVCache(1, c.num_kv_heads, c.head_dim, sum(-(-n // ps) + 1 for n in sizes), ps,
+                                  self.dtype, self.device)
+        self.seq = [self.cache.add_sequence() for _ in ctx.prompts]
+        self.root_logp: dict[int, torch.Tensor] = {}
+        self.root_state: dict[int, torch.Tensor] = {}
+        tokens = [pr[1:] + [t] for pr, t in zip(ctx.prompts, ctx.first_tokens)]
+        self._extend(list(range(len(ctx.prompts))), tokens, ctx.features)
+
+    @torch.inference_mode()
+    def _run(self, requests, tokens, hidden, positions, masks, extra_keys=None):
+        """Head pass over each request's new entries; returns per-request outputs."""
+        seqs = [self.seq[r] for r in requests]
+        prefix = [self.cache.seq_lens[s] for s in seqs]
+        kpos = [p if extra_keys is None else torch.cat([extra_keys[i], p]) for i, p in enumerate(positions)]
+        batch = make_batch(self.cache, seqs, prefix, masks, kpos, self.backend)
+
+        def attend(q, k, v):
+            self.cache.write(0, batch.write_slots, k, v)
+            return self.backend.run(batch, 0, q, self.head.config.head_dim ** -0.5)
+
+        toks = torch.cat(tokens).to(self.device)
+        h = self.head(toks, torch.cat(hidden).to(self.dtype), torch.cat(positions).to(self.device), attend)
+        return list(torch.split(h, [t.numel() for t in tokens]))
+
+    def _extend(self, requests, tokens, features):
+        """Draft extend: entries (f_i, token_i) for committed tokens, then the root's
+        log-probs and state for the next tree."""
+        if not requests:
+            return
+        from ..mask import causal_mask
+
+        toks = [torch.tensor(t, dtype=torch.int64) for t in tokens]
+        with torch.inference_mode():
+            hid = [self.head.project(f.to(self.device, self.dtype)) for f in features]
+        pos = [torch.arange(self.cache.seq_lens[self.seq[r]], self.cache.seq_lens[self.seq[r]] + len(t))
+               for r, t in zip(requests, tokens)]
+        out = self._run(requests, toks, hid, pos, [causal_mask(len(t)) for t in tokens])
+        with torch.inference_mode():
+            for r, t, h in zip(requests, tokens, out):
+                s = self.seq[r]
+                L = self.cache.seq_lens[s]
+                self.cache.commit(s, torch.arange(L, L + len(t)))
+                last = h[-1:]
+                self.root_state[r] = last
+                self.root_logp[r] = self.head.logits(last)[0].float().log_softmax(-1)
+
+    def propose(self, requests, roots, max_depth):
+        requests = list(requests)
+        seqs = [self.seq[r] for r in requests]
+        base = [self.cache.seq_lens[s] for s in seqs]  # the root's entry is at base - 1
+        tree_pos = torch.zeros(0, dtype=torch.int64)
+        head = self.head
+
+        def step(f: Frontier):
+            nonlocal tree_pos
+            k = f.tokens.shape[1]
+            pos = torch.full((k,), f.depth, dtype=torch.int64)
+            tok = head.draft_to_target(f.tokens.to(self.device))
+            out = self._run(
+                requests, list(tok), list(f.parent_state), [b - 1 + pos for b in base],
+                list(f.ancestors.cpu()), extra_keys=[b - 1 + tree_pos for b in base],
+            )
+            tree_pos = torch.cat([tree_pos, pos])
+            h = torch.stack(out)  # [B, k, H]
+            with torch.inference_mode():
+                logp = head.logits(h).float().log_softmax(-1)
+            return logp, h
+
+        root_logp = torch.stack([self.root_logp[r] for r in requests])
+        root_state = torch.stack([self.root_state[r] for r in requests])  # [B, 1, H]
+        # The builder works in draft ids; roots are target ids and are restored below.
+        trees = build_trees(torch.zeros(len(requests), dtype=torch.int64), root_logp, step, self.cfg, root_state)
+        for s, b in zip(seqs, base):
+            self.cache.truncate(s, b)
+        out = []
+        for t, root in zip(trees, roots):
+            toks = head.draft_to_target(t.tokens.to(self.device)).cpu()
+            toks[0] = root
+            out.append(t.with_tokens(toks, t.scores))
+        return out
+
+    def commit(self, requests, tokens, features):
+        self._extend(list(requests), [list(t) for t in tokens], features)
+
+    def finish(self, request):
+        self.cache.free_sequence(self.seq[request])
+        self.root_logp.pop(request, None)
+        self.root_state.pop(request, None)
