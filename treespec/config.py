@@ -27,7 +27,8 @@ class TreeConfig:
                    ``num_steps`` to ``depth``.
         top_k:     candidates expanded per frontier node and frontier width per level.
         num_nodes: drafted nodes kept after the rerank (root excluded): the verify
-                   forward runs ``num_nodes + 1`` tokens.
+                   forward runs ``num_nodes + 1`` tokens. EAGLE's ``total_token`` and
+                   SGLang's ``num_draft_tokens`` count the root: they are ``num_nodes + 1``.
     Static fields:
         paths:     the tree as Medusa / vLLM child-rank paths, breadth-first.
     """
@@ -170,17 +171,17 @@ def _presets() -> Mapping[str, Preset]:
             f"transformers' assisted generation draft",
         )
     p["eagle2"] = Preset(
-        TreeConfig.dynamic(depth=6, top_k=10, num_nodes=60),
+        TreeConfig.dynamic(depth=6, top_k=10, num_nodes=59),
         "EAGLE-2 defaults for GPUs (EAGLE repository: total_token=60, depth=5, top_k=10); "
-        "61 tokens per verify pays off where a verify costs about one decode step",
+        "60 tokens per verify pays off where a verify costs about one decode step",
     )
     p["eagle2-deep"] = Preset(
-        TreeConfig.dynamic(depth=8, top_k=10, num_nodes=60),
+        TreeConfig.dynamic(depth=8, top_k=10, num_nodes=59),
         "EAGLE-2 with EAGLE's from_pretrained defaults (total_token=60, depth=7, top_k=10); "
         "for strong heads on GPUs",
     )
     p["eagle2-qwen3"] = Preset(
-        TreeConfig.dynamic(depth=9, top_k=4, num_nodes=32),
+        TreeConfig.dynamic(depth=9, top_k=4, num_nodes=31),
         "the EAGLE repository's evaluation setting for Qwen3 (total_token=32, depth=8, top_k=4)",
     )
     p["cpu"] = Preset(
