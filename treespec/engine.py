@@ -329,9 +329,7 @@ def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts, param
             metrics.verify_seconds += time.perf_counter() - t0
 
             t0 = time.perf_counter()
-            live = [i for i, b in enumerate(active) if not done[b]]
-            session.commit([active[i] for i in live], [commit_tokens[i] for i in live],
-                           [commit_feats[i] for i in live] if needs_features else None)
+            session.commit(active, commit_tokens, commit_feats if needs_features else None)
             for b in active:
                 if done[b]:
                     session.finish(b)

@@ -4,7 +4,7 @@ A :class:`Drafter` is configuration (weights, options); :meth:`Drafter.start` op
 :class:`DraftSession` holding the per-request draft state (its KV cache, recent tokens)
 for one ``generate`` call. Per step the engine calls ``propose`` then ``commit``:
 
-    trees = session.propose(requests, roots, tree_cfg, max_depth)
+    trees = session.propose(requests, roots, max_depth)   # tree_cfg came in DraftStart
     ... the target verifies ...
     session.commit(requests, new_tokens, features)
 

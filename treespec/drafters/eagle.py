@@ -300,8 +300,16 @@ def _head_from_dir(path, target_model) -> EagleHead:
     for k, v in state.items():
         if k.startswith(prefix):
             ours["layer." + k[len(prefix):]] = v
-        elif k in ("embed_tokens.weight", "lm_head.weight") and not c.eagle3:
-            continue  # EAGLE-1/2 use the target's
+        elif k == "embed_tokens.weight" or (k == "lm_head.weight" and not c.eagle3):
+            # The target's are used (EAGLE trains with them frozen); some EAGLE-3
+            # checkpoints ship a copy of the embedding, which vLLM also accepts.
+            if k == "embed_tokens.weight" and not (  # equal up to the checkpoint's rounding
+                v.shape == emb.weight.shape
+                and torch.allclose(v.float(), emb.weight.detach().float().cpu(), rtol=1e-2, atol=1e-4)
+            ):
+                log.warning("%s ships an embed_tokens.weight that differs from the target's; "
+                            "the target's embedding is used", path)
+            continue
         else:
             ours[k] = v
     missing, unexpected = head.load_state_dict(ours, strict=False)

@@ -1,0 +1,714 @@
+"""EAGLE draft heads: the published checkpoint layouts, the head math, the shift by one.
+
+Checkpoints are written by hand under the published key names (facts.md section 2), never
+with ``EagleHead.save_pretrained``, so a loader that only reads its own writer's files fails
+here. The head math is checked against :class:`DenseHead`, a dense float64 implementation
+written from the definitions; draft extend (the head re-run on each step's accepted tokens)
+against a fresh head prefill of the whole committed sequence; generation against Hugging
+Face greedy decoding. Random heads rarely draft right, so one hand-set EAGLE-1 head on a
+near-bigram target ("informed") gets runs of accepted drafts and multi-token commits.
+
+Sizes: target vocabulary V = 64, hidden H = 32; EAGLE-3 draft vocabulary Vd = 40.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import treespec
+from tiny import tiny_model
+from treespec import TreeConfig
+from treespec.drafters.base import DraftStart
+from treespec.drafters.eagle import Eagle3Drafter, EagleDrafter, EagleHead, eagle3_feature_layers
+from treespec.mask import causal_mask
+from treespec.runner import FINAL_NORM, ModelRunner
+
+V, H, VD = 64, 32, 40
+SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+E3_LAYERS = 8  # EAGLE-3 reads the states entering layers (2, 4, 5): three distinct layers
+
+
+# ---- checkpoints in the published layouts ---------------------------------------------------
+
+
+def _weights(seed: int):
+    g = torch.Generator().manual_seed(seed)
+
+    def w(out, inp, scale=1.0):  # nn.Linear-like magnitude: activations stay O(1)
+        return torch.randn(out, inp, generator=g) * (scale / math.sqrt(inp))
+
+    def norm(n):  # not all ones, so a skipped or misplaced norm shows
+        return 1.0 + 0.2 * torch.randn(n, generator=g)
+
+    return g, w, norm
+
+
+def eagle1_checkpoint(seed: int = 0, bias: bool = True, intermediate: int = 48, heads: int = 4,
+                      kv_heads: int = 2, rope_theta: float = 5000.0):
+    """(config.json dict, state dict) of an EAGLE-1/2 head, as SafeAILab/EAGLE publishes it."""
+    g, w, norm = _weights(seed)
+    D = H // heads
+    p = "layers.0."
+    state = {
+        "fc.weight": w(H, 2 * H),  # [H, 2H]: input is cat(embed(token), feature)
+        p + "self_attn.q_proj.weight": w(heads * D, H),
+        p + "self_attn.k_proj.weight": w(kv_heads * D, H),
+        p + "self_attn.v_proj.weight": w(kv_heads * D, H),
+        p + "self_attn.o_proj.weight": w(H, heads * D),
+        p + "mlp.gate_proj.weight": w(intermediate, H),
+        p + "mlp.up_proj.weight": w(intermediate, H),
+        p + "mlp.down_proj.weight": w(H, intermediate),
+        p + "post_attention_layernorm.weight": norm(H),  # layer 0 has no input_layernorm
+    }
+    if bias:
+        state["fc.bias"] = 0.1 * torch.randn(H, generator=g)
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H,
+        "intermediate_size": intermediate, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "num_hidden_layers": 1, "rms_norm_eps": 1e-5,
+        "rope_theta": rope_theta, "vocab_size": V, "max_position_embeddings": 256,
+        "hidden_act": "silu", "torch_dtype": "float16",
+    }
+    if bias:
+        config["bias"] = True
+    return config, state
+
+
+def draft_vocab(seed: int, vd: int = VD):
+    """(d2t int64 [vd], t2d bool [V]): a sorted random subset of target ids, injective."""
+    g = torch.Generator().manual_seed(seed + 7)
+    ids = torch.randperm(V, generator=g)[:vd].sort().values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[ids] = True
+    return ids - torch.arange(vd), t2d  # target = draft + d2t[draft]
+
+
+def eagle3_checkpoint(seed: int = 0, vllm: bool = False, intermediate: int = 48, heads: int = 4,
+                      kv_heads: int = 2, head_dim: int = 16, rope_theta: float = 50000.0):
+    """(config.json dict, state dict) of an EAGLE-3 head; ``vllm`` spells ``midlayer.`` as
+    ``layers.0.``. ``head_dim`` differs from H / heads, so it must be read from the config."""
+    g, w, norm = _weights(seed)
+    p = "layers.0." if vllm else "midlayer."
+    d2t, t2d = draft_vocab(seed)
+    state = {
+        "fc.weight": w(H, 3 * H),  # [H, 3H]: fuses the low, mid and high target states
+        p + "self_attn.q_proj.weight": w(heads * head_dim, 2 * H),  # input cat(embeds, hidden)
+        p + "self_attn.k_proj.weight": w(kv_heads * head_dim, 2 * H),
+        p + "self_attn.v_proj.weight": w(kv_heads * head_dim, 2 * H),
+        p + "self_attn.o_proj.weight": w(H, heads * head_dim),
+        p + "hidden_norm.weight": norm(H),
+        p + "input_layernorm.weight": norm(H),
+        p + "post_attention_layernorm.weight": norm(H),
+        p + "mlp.gate_proj.weight": w(intermediate, H),
+        p + "mlp.up_proj.weight": w(intermediate, H),
+        p + "mlp.down_proj.weight": w(H, intermediate),
+        "norm.weight": norm(H),
+        "lm_head.weight": w(VD, H),
+        "d2t": d2t,
+        "t2d": t2d,
+    }
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": H,
+        "intermediate_size": intermediate, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": head_dim, "num_hidden_layers": 1,
+        "rms_norm_eps": 1e-6, "rope_theta": rope_theta, "vocab_size": V,
+        "draft_vocab_size": VD, "max_position_embeddings": 256, "hidden_act": "silu",
+        "torch_dtype": "float16",
+    }
+    return config, state
+
+
+def informed_eagle1_checkpoint(seed: int = 11):
+    """An EAGLE-1 head that drafts well for a near-bigram target (:func:`target`
+    ``"informed"``): fc passes the token embedding through and the layer adds little, so
+    the draft logits are close to ``lm_head(embed(token))``, whose argmax is the target's
+    when the target's own layers add little. Runs of accepted drafts exercise multi-token
+    commits and multi-entry draft extends."""
+    config, state = eagle1_checkpoint(seed, bias=False)
+    state["fc.weight"] = torch.cat([torch.eye(H), 0.02 * state["fc.weight"][:, H:]], 1)
+    state["layers.0.self_attn.o_proj.weight"] *= 0.02
+    state["layers.0.mlp.down_proj.weight"] *= 0.02
+    return config, state
+
+
+def stored(state: dict) -> dict:
+    """The state as the checkpoint holds it (floating tensors in fp16)."""
+    return {k: (v.half() if v.is_floating_point() else v).contiguous() for k, v in state.items()}
+
+
+def write(path: Path, config: dict, state: dict, fmt: str = "safetensors") -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    if fmt == "safetensors":
+        save_file(stored(state), str(path / "model.safetensors"))
+    else:
+        torch.save(stored(state), str(path / "pytorch_model.bin"))
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+# ---- the reference --------------------------------------------------------------------------
+
+
+class DenseHead:
+    """An EAGLE head from its definition, in float64, with no treespec code.
+
+    EAGLE-1/2: ``x = fc(cat(embed(tok), hidden))``, one Llama layer without input norm
+    (residual x), logits by the target's lm_head. EAGLE-3: ``x = cat(input_layernorm(embed),
+    hidden_norm(hidden))``, residual ``hidden``, logits ``lm_head(norm(h))`` over the draft
+    vocabulary. Attention is causal over the given entries, RoPE at ``positions``.
+    """
+
+    def __init__(self, config: dict, state: dict, target):
+        self.eagle3 = "draft_vocab_size" in config
+        prefix = "layers.0." if any(k.startswith("layers.0.") for k in state) else "midlayer."
+        self.w = {k.removeprefix(prefix): v.double() for k, v in state.items() if v.is_floating_point()}
+        self.heads = config["num_attention_heads"]
+        self.kv_heads = config["num_key_value_heads"]
+        self.head_dim = config.get("head_dim") or config["hidden_size"] // self.heads
+        self.eps = config["rms_norm_eps"]
+        self.theta = config["rope_theta"]
+        self.embed_w = target.get_input_embeddings().weight.detach().double()
+        self.target_lm_head = target.get_output_embeddings().weight.detach().double()
+        if self.eagle3:
+            self.d2t = state["d2t"]
+            self.draft_id = {int(d + self.d2t[d]): d for d in range(len(self.d2t))}
+
+    def rms(self, x, name):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.w[name]
+
+    def rope(self, x, positions):  # x [T, h, D]; rotate_half convention, as Llama
+        D = x.shape[-1]
+        inv = 1.0 / self.theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+        ang = positions.double()[:, None] * inv[None]  # [T, D/2]
+        cos, sin = torch.cat([ang, ang], -1).cos()[:, None], torch.cat([ang, ang], -1).sin()[:, None]
+        x1, x2 = x[..., : D // 2], x[..., D // 2 :]
+        return x * cos + torch.cat([-x2, x1], -1) * sin
+
+    def project(self, features):
+        """Target features -> the ``hidden`` input of :meth:`run` (EAGLE-3: fc)."""
+        return features.double() @ self.w["fc.weight"].T if self.eagle3 else features.double()
+
+    def run(self, tokens, hidden, positions=None):
+        """Outputs ``[T, H]`` of entries (tokens[i], hidden[i]), causal in order."""
+        w, T = self.w, len(tokens)
+        positions = torch.arange(T) if positions is None else positions
+        e = self.embed_w[torch.as_tensor(tokens)]
+        if self.eagle3:
+            x = torch.cat([self.rms(e, "input_layernorm.weight"), self.rms(hidden, "hidden_norm.weight")], -1)
+            residual = hidden
+        else:
+            x = torch.cat([e, hidden], -1) @ w["fc.weight"].T + w.get("fc.bias", 0.0)
+            residual = x
+        D = self.head_dim
+        q = (x @ w["self_attn.q_proj.weight"].T).view(T, self.heads, D)
+        k = (x @ w["self_attn.k_proj.weight"].T).view(T, self.kv_heads, D)
+        v = (x @ w["self_attn.v_proj.weight"].T).view(T, self.kv_heads, D)
+        q, k = self.rope(q, positions), self.rope(k, positions)
+        rep = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        s = torch.einsum("thd,shd->hts", q, k) / math.sqrt(D)  # [heads, T, T]
+        s = s.masked_fill(~causal_mask(T), float("-inf"))
+        o = torch.einsum("hts,shd->thd", s.softmax(-1), v).reshape(T, self.heads * D)
+        h = residual + o @ w["self_attn.o_proj.weight"].T
+        m = self.rms(h, "post_attention_layernorm.weight")
+        gate, up = m @ w["mlp.gate_proj.weight"].T, m @ w["mlp.up_proj.weight"].T
+        return h + (F.silu(gate) * up) @ w["mlp.down_proj.weight"].T
+
+    def logp(self, h):
+        if self.eagle3:
+            return (self.rms(h, "norm.weight") @ self.w["lm_head.weight"].T).log_softmax(-1)
+        return (h @ self.target_lm_head.T).log_softmax(-1)
+
+
+def hf_features(model, tokens, layers) -> torch.Tensor:
+    """``[T, F]`` target features from scratch: ``hidden_states[i]`` enters layer i, and
+    ``hidden_states[-1]`` is the final (post-norm) state."""
+    with torch.no_grad():
+        hs = model(torch.tensor([list(tokens)]), output_hidden_states=True).hidden_states
+    return torch.cat([hs[-1 if i == FINAL_NORM else i][0] for i in layers], -1)
+
+
+def hf_greedy(model, prompt, n):
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def start(drafter, model, prompts, first, cfg=TreeConfig.chain(2), max_new=32):
+    """An EagleSession as the engine starts it, with features computed from scratch."""
+    layers = drafter.features_for(model)
+    feats = [hf_features(model, p, layers) for p in prompts]
+    return drafter.start(model, DraftStart([list(p) for p in prompts], list(first), feats, max_new, cfg))
+
+
+def draft_len(session, r: int) -> int:
+    return session.cache.seq_lens[session.seq[r]]
+
+
+# ---- fixtures -------------------------------------------------------------------------------
+
+_targets: dict = {}
+
+
+def target(kind: str, seed: int = 0, family: str = "llama", peak: float = 60.0):
+    """Tiny targets: EAGLE-1/2 heads read 2 layers' output, EAGLE-3 needs >= 6 layers;
+    ``"informed"`` is a 2-layer target whose layers are scaled down (nearly a bigram model)."""
+    kind = {"eagle3-vllm": "eagle3"}.get(kind, kind)
+    key = (kind, seed, family, peak)
+    if key not in _targets:
+        layers = E3_LAYERS if kind == "eagle3" else 2
+        model = tiny_model(family, seed, vocab=V, hidden=H, layers=layers, peak=peak)
+        if kind == "informed":
+            with torch.no_grad():
+                for layer in model.model.layers:
+                    layer.self_attn.o_proj.weight.mul_(0.2)
+                    layer.mlp.down_proj.weight.mul_(0.2)
+        _targets[key] = model
+    return _targets[key]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """These models are tiny: one thread is faster, and far faster on a shared machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """Hand-written checkpoints, one directory per (layout, seed, file format)."""
+    root = tmp_path_factory.mktemp("eagle")
+    made: dict = {}
+
+    def get(kind: str, seed: int = 0, fmt: str = "safetensors"):
+        key = (kind, seed, fmt)
+        if key not in made:
+            config, state = {
+                "eagle1": lambda: eagle1_checkpoint(seed),
+                "eagle3": lambda: eagle3_checkpoint(seed),
+                "eagle3-vllm": lambda: eagle3_checkpoint(seed, vllm=True),
+                "informed": lambda: informed_eagle1_checkpoint(seed + 11),
+            }[kind]()
+            made[key] = (write(root / f"{kind}-{seed}-{fmt}", config, state, fmt), config, state)
+        return made[key]
+
+    return get
+
+
+# ---- loading --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3", "eagle3-vllm"])
+def test_load_published_layout(ckpts, kind, fmt):
+    """load_draft detects the format; the weights land where the published names say."""
+    model = target(kind)
+    path, config, state = ckpts(kind, 0, fmt)
+    drafter = treespec.load_draft(path, model)
+    eagle3 = kind != "eagle1"
+    assert type(drafter) is (Eagle3Drafter if eagle3 else EagleDrafter)
+    c = drafter.head.config
+    assert (c.eagle3, c.hidden_size, c.vocab_size) == (eagle3, H, V)
+    assert c.draft_vocab_size == (VD if eagle3 else V)
+    assert c.head_dim == config.get("head_dim", H // config["num_attention_heads"])
+    assert c.rope_theta == config["rope_theta"] and c.fc_bias == ("fc.bias" in state)
+    loaded = drafter.head.public_state_dict()
+    want = {k.replace("layers.0.", "midlayer.") if eagle3 else k: v for k, v in stored(state).items()}
+    assert set(loaded) == set(want)
+    for k, v in want.items():
+        assert loaded[k].dtype == (v.dtype if not v.is_floating_point() else torch.float32), k
+        assert torch.equal(loaded[k], v.to(loaded[k].dtype)), k
+    assert drafter.features_for(model) == (eagle3_feature_layers(E3_LAYERS) if eagle3 else (FINAL_NORM,))
+    assert drafter.head._embed[0] is model.get_input_embeddings()
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3", "eagle3-vllm"])
+def test_from_pretrained_refuses_the_other_format(ckpts, kind):
+    model = target(kind)
+    path = ckpts(kind)[0]
+    right, wrong = (EagleDrafter, Eagle3Drafter) if kind == "eagle1" else (Eagle3Drafter, EagleDrafter)
+    assert type(right.from_pretrained(path, model)) is right
+    with pytest.raises(ValueError, match="EAGLE-3 checkpoint: use Eagle3Drafter" if kind != "eagle1"
+                       else "EAGLE-1/2 checkpoint: use EagleDrafter"):
+        wrong.from_pretrained(path, model)
+
+
+def test_vllm_spelling_loads_the_same_head(ckpts):
+    """``layers.0.`` (vLLM) and ``midlayer.`` (EAGLE) of the same weights draft the same."""
+    model = target("eagle3")
+    a = treespec.load_draft(ckpts("eagle3")[0], model)
+    b = treespec.load_draft(ckpts("eagle3-vllm")[0], model)
+    sa, sb = a.head.state_dict(), b.head.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_eagle1_checkpoint_may_carry_the_targets_embedding_and_lm_head(tmp_path):
+    """Some EAGLE-1/2 checkpoints ship ``embed_tokens`` / ``lm_head``: the target's are used."""
+    model = target("eagle1")
+    config, state = eagle1_checkpoint(bias=False)
+    state["embed_tokens.weight"] = model.get_input_embeddings().weight.detach().clone()
+    state["lm_head.weight"] = torch.zeros(V, H)  # if it were read, drafts would be all ties
+    drafter = EagleDrafter.from_pretrained(write(tmp_path, config, state, "bin"), model)
+    assert not drafter.head.config.fc_bias
+    assert drafter.head._target_lm_head[0] is model.get_output_embeddings()
+    assert not any(k.startswith(("embed_tokens", "lm_head")) for k in drafter.head.public_state_dict())
+
+
+def test_eagle3_checkpoint_may_carry_the_targets_embedding(tmp_path, caplog):
+    """vLLM accepts EAGLE-3 checkpoints with or without ``embed_tokens.weight``; the head
+    always reads the target's embedding (EAGLE-3 trains with it frozen) and warns when the
+    shipped copy differs."""
+    model = target("eagle3")
+    config, state = eagle3_checkpoint()
+    emb = model.get_input_embeddings().weight.detach()
+    state["embed_tokens.weight"] = emb.half().float()  # as an fp16 checkpoint stores it
+    with caplog.at_level("WARNING", logger="treespec"):
+        drafter = treespec.load_draft(write(tmp_path / "same", config, state), model)
+    assert drafter.head._embed[0] is model.get_input_embeddings()
+    assert "embed_tokens.weight" not in drafter.head.public_state_dict()
+    assert not caplog.records
+    state["embed_tokens.weight"] = emb + 1.0
+    with caplog.at_level("WARNING", logger="treespec"):
+        treespec.load_draft(write(tmp_path / "other", config, state), model)
+    assert [r.message for r in caplog.records].count(
+        f"{tmp_path / 'other'} ships an embed_tokens.weight that differs from the target's; "
+        "the target's embedding is used") == 1
+
+
+@pytest.mark.parametrize("eagle3", [False, True])
+def test_save_pretrained_round_trip(tmp_path, eagle3):
+    """save_pretrained writes exactly the published names in fp16; loading gives them back."""
+    model = target("eagle3" if eagle3 else "eagle1")
+    head = EagleHead.for_target(model, eagle3=eagle3, draft_vocab_size=VD if eagle3 else None)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        if eagle3:
+            head.d2t.copy_(draft_vocab(5)[0])
+            head.t2d.copy_(draft_vocab(5)[1])
+    head.save_pretrained(tmp_path)
+
+    layer = "midlayer." if eagle3 else "layers.0."
+    names = {layer + f"self_attn.{x}_proj.weight" for x in "qkvo"}
+    names |= {layer + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
+    names |= {layer + "post_attention_layernorm.weight", "fc.weight"}
+    if eagle3:
+        names |= {layer + "hidden_norm.weight", layer + "input_layernorm.weight", "norm.weight",
+                  "lm_head.weight", "d2t", "t2d"}
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        saved = {k: f.get_tensor(k) for k in f.keys()}
+    assert set(saved) == names  # no rotary.*, no embed_tokens, no extra keys
+    assert all(v.dtype == torch.float16 for k, v in saved.items() if k not in ("d2t", "t2d"))
+    assert saved["fc.weight"].shape == (H, 3 * H if eagle3 else 2 * H)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 1 and ("draft_vocab_size" in cfg) == eagle3
+
+    loaded = treespec.load_draft(tmp_path, model)
+    assert type(loaded) is (Eagle3Drafter if eagle3 else EagleDrafter)
+    assert loaded.head.config == head.config
+    a, b = head.public_state_dict(), loaded.head.public_state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        want = a[k].half().float() if a[k].is_floating_point() else a[k]
+        assert b[k].dtype == want.dtype and torch.equal(b[k], want), k
+
+
+# ---- mismatches -----------------------------------------------------------------------------
+
+
+def _expect_value_error(tmp_path, kind, edit, match, loader=treespec.load_draft):
+    model = target(kind)
+    config, state = eagle1_checkpoint() if kind == "eagle1" else eagle3_checkpoint()
+    edit(config, state)
+    with pytest.raises(ValueError, match=match):
+        loader(write(tmp_path, config, state), model)
+
+
+def _set(**kw):
+    return lambda config, state: config.update(kw)
+
+
+def test_wrong_vocab_size(tmp_path):
+    _expect_value_error(tmp_path / "a", "eagle1", _set(vocab_size=V + 1),
+                        f"vocabulary mismatch: the EAGLE head was made for {V + 1} tokens, the target has {V}")
+    _expect_value_error(tmp_path / "b", "eagle3", _set(vocab_size=V * 2), "vocabulary mismatch")
+
+
+def test_wrong_hidden_size(tmp_path):
+    def wider(config, state):  # a consistent head of hidden 48 for a hidden-32 target
+        config.update(hidden_size=48)
+        state["fc.weight"] = torch.zeros(48, 96)
+
+    _expect_value_error(tmp_path / "a", "eagle1", wider, "hidden size 48 differs from the target's 32")
+    _expect_value_error(tmp_path / "b", "eagle3", _set(hidden_size=48),
+                        "expects target hidden size 48, the target has 32")
+
+    def wider3(config, state):  # fc fits the target's 3 x 32 features, the layer is 48 wide
+        config.update(hidden_size=48, target_hidden_size=32)
+        state["fc.weight"] = torch.zeros(48, 96)
+
+    _expect_value_error(tmp_path / "c", "eagle3", wider3, "hidden size differs from the target's embedding size")
+
+
+def test_wrong_fc_shape(tmp_path):
+    def fc(shape):
+        return lambda config, state: state.update({"fc.weight": torch.zeros(*shape)})
+
+    _expect_value_error(tmp_path / "a", "eagle1", fc((H, 3 * H)), r"fc.weight is \(32, 96\), expected \(32, 64\)")
+    _expect_value_error(tmp_path / "b", "eagle3", fc((H, 2 * H)), r"fc.weight is \(32, 64\), expected \(32, 96\)")
+
+
+@pytest.mark.parametrize("bad", ["collision", "out_of_range", "wrong_length"])
+def test_bad_d2t(tmp_path, bad):
+    def edit(config, state):
+        d2t = state["d2t"].clone()
+        if bad == "collision":  # draft ids 0 and 1 both map to target id d2t[0]
+            d2t[1] = d2t[0] - 1
+        elif bad == "out_of_range":
+            d2t[-1] = V
+        else:
+            d2t = d2t[:-1]
+        state["d2t"] = d2t
+
+    _expect_value_error(tmp_path, "eagle3", edit, "d2t must map each draft id to a distinct target id")
+
+
+def test_missing_files(tmp_path):
+    model = target("eagle1")
+    missing = tmp_path / "nowhere"
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        treespec.load_draft(missing, model)
+    with pytest.raises(FileNotFoundError, match="nowhere.*config.json is missing"):
+        EagleDrafter.from_pretrained(missing, model)
+    config, state = eagle1_checkpoint()
+    no_config = write(tmp_path / "no-config", config, state)
+    (no_config / "config.json").unlink()
+    for load in (treespec.load_draft, EagleDrafter.from_pretrained, Eagle3Drafter.from_pretrained):
+        with pytest.raises(FileNotFoundError, match="no-config: config.json is missing"):
+            load(no_config, model)
+    no_weights = write(tmp_path / "no-weights", config, state)
+    (no_weights / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="no-weights has neither model.safetensors nor pytorch_model.bin"):
+        treespec.load_draft(no_weights, model)
+
+
+def test_head_loaded_for_another_target_is_refused(ckpts):
+    drafter = treespec.load_draft(ckpts("eagle1")[0], target("eagle1", 0))
+    with pytest.raises(ValueError, match="loaded for another target"):
+        treespec.generate(target("eagle1", 1), drafter, "chain-2", [1, 2, 3], max_new_tokens=4)
+
+
+# ---- the head math --------------------------------------------------------------------------
+
+# Low-peak targets keep the EAGLE-1 logits (the target's lm_head) small, so the fp32 head and
+# the fp64 reference agree to well under 1e-4 in log-probability.
+MATH_PROMPTS = [[5, 9, 9, 2, 17, 40, 3, 3, 11], [60, 1]]
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_root_logprobs_match_dense_reference(ckpts, kind):
+    """After start, the root's draft log-probs are the reference's last row: entries
+    (f_i, prompt[i+1]) for i < L-1 and (f_{L-1}, first token), positions 0..L-1."""
+    model = target(kind, peak=4.0)
+    path, config, state = ckpts(kind)
+    drafter = treespec.load_draft(path, model)
+    ref = DenseHead(config, stored(state), model)
+    first = [13, 2]
+    session = start(drafter, model, MATH_PROMPTS, first)
+    for r, (prompt, t0) in enumerate(zip(MATH_PROMPTS, first)):
+        feats = hf_features(model, prompt, drafter.features_for(model))
+        h = ref.run(prompt[1:] + [t0], ref.project(feats))
+        want = ref.logp(h[-1])
+        assert session.root_logp[r].shape == ((VD,) if kind == "eagle3" else (V,))
+        torch.testing.assert_close(session.root_logp[r].double(), want, atol=1e-4, rtol=0)
+        assert draft_len(session, r) == len(prompt)
+    # Teeth: the reference without the shift (f_i paired with prompt[i]) is far off.
+    prompt = MATH_PROMPTS[0]
+    feats = hf_features(model, prompt, drafter.features_for(model))
+    unshifted = ref.logp(ref.run(prompt, ref.project(feats))[-1])
+    assert (session.root_logp[0].double() - unshifted).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+@pytest.mark.parametrize("cfg", [TreeConfig.dynamic(depth=4, top_k=3, num_nodes=14), "eagle1"],
+                         ids=["dynamic", "eagle1"])
+def test_tree_scores_match_dense_reference(ckpts, kind, cfg):
+    """A drafted node's score is the reference's log-prob of its path: a tree path is the
+    committed entries followed by (parent's draft output, node token) entries at the next
+    positions, each seeing only its own ancestors."""
+    cfg = TreeConfig.preset(cfg) if isinstance(cfg, str) else cfg
+    model = target(kind, peak=4.0)
+    path, config, state = ckpts(kind)
+    drafter = treespec.load_draft(path, model)
+    ref = DenseHead(config, stored(state), model)
+    first = [13, 2]
+    session = start(drafter, model, MATH_PROMPTS, first, cfg)
+    trees = session.propose([0, 1], first, [10, 10])
+    for r, (prompt, t0, tree) in enumerate(zip(MATH_PROMPTS, first, trees)):
+        assert draft_len(session, r) == len(prompt)  # tree entries were dropped again
+        assert int(tree.tokens[0]) == t0 and tree.num_drafted == cfg.num_nodes
+        feats = hf_features(model, prompt, drafter.features_for(model))
+        tokens0, hidden0 = prompt[1:] + [t0], ref.project(feats)
+        for node in range(1, tree.num_nodes):
+            tokens, hidden, score = list(tokens0), hidden0, 0.0
+            h = ref.run(tokens, hidden)
+            for a in tree.ancestors(node)[1:]:
+                tok = int(tree.tokens[a])
+                score += float(ref.logp(h[-1])[ref.draft_id[tok] if ref.eagle3 else tok])
+                tokens.append(tok)
+                hidden = torch.cat([hidden, h[-1:]])  # the parent's draft output
+                h = ref.run(tokens, hidden)
+            assert abs(float(tree.scores[node]) - score) < 1e-4, (r, node)
+        if ref.eagle3:
+            assert all(int(t) in ref.draft_id for t in tree.tokens[1:])  # target ids via d2t
+
+
+# ---- the shift by one and draft extend ------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_draft_extend_equals_fresh_prefill(ckpts, kind):
+    """Session level, with commits of several tokens: after each commit the draft holds one
+    entry per committed position (prompt + generated - 1: the newest token is the root and
+    has no target feature yet), and its root log-probs equal a fresh head started from the
+    whole sequence. Trees drafted in between leave no trace."""
+    model = target(kind, peak=4.0)
+    drafter = treespec.load_draft(ckpts(kind)[0], model)
+    layers = drafter.features_for(model)
+    g = torch.Generator().manual_seed(3)
+    full = [torch.randint(0, V, (n,), generator=g).tolist() for n in (16, 13)]
+    L = [5, 1]  # prompt lengths; full[r][L[r]] is the first token
+    cfg = TreeConfig.dynamic(depth=3, top_k=2, num_nodes=5)
+    feats = [hf_features(model, s, layers) for s in full]
+    session = drafter.start(model, DraftStart([s[:n] for s, n in zip(full, L)], [s[n] for s, n in zip(full, L)],
+                                              [f[:n] for f, n in zip(feats, L)], 32, cfg))
+    pos = list(L)  # index of each request's root in full
+    for step, commits in enumerate([(3, 1), (1, 4), (2, 2), (4, 3)]):
+        live = [r for r in (0, 1) if not (step == 2 and r == 1)]  # request 1 sits one step out
+        session.propose(live, [full[r][pos[r]] for r in live], [5] * len(live))
+        session.commit(live, [full[r][pos[r] + 1: pos[r] + 1 + commits[r]] for r in live],
+                       [feats[r][pos[r]: pos[r] + commits[r]] for r in live])  # (f_root.., accepted..)
+        for r in live:
+            pos[r] += commits[r]
+        for r in (0, 1):
+            assert draft_len(session, r) == pos[r]
+            fresh = start(drafter, model, [full[r][: pos[r]]], [full[r][pos[r]]], cfg)
+            torch.testing.assert_close(session.root_logp[r], fresh.root_logp[0], atol=1e-4, rtol=0)
+
+
+def recording(drafter):
+    """The drafter, with every session it starts appended to the returned list."""
+    sessions = []
+    plain = drafter.start
+    drafter.start = lambda model, ctx: sessions.append(plain(model, ctx)) or sessions[-1]
+    return drafter, sessions
+
+
+@pytest.mark.parametrize("kind", ["informed", "eagle3"])
+def test_generate_draft_extend_equals_fresh_prefill(ckpts, kind):
+    """Engine level: after every step (features from the tree-verify forward), the draft
+    cache holds prompt + generated - 1 entries and the root's draft log-probs equal a fresh
+    head prefill on the committed sequence with the target's features recomputed from
+    scratch; the output is HF's greedy output."""
+    model = target(kind, peak=8.0)
+    drafter, sessions = recording(treespec.load_draft(ckpts(kind)[0], model))
+    prompts = [[4, 8, 15, 16, 23, 42], [7], [1, 2, 3, 1, 2]]
+    generated = [[] for _ in prompts]
+    snaps = []  # (request, committed sequence, draft entries, root log-probs)
+    longest = 0
+    for out in treespec.stream(model, drafter, "cpu", prompts, max_new_tokens=18):
+        for r, toks in enumerate(out.tokens):
+            generated[r].extend(toks)
+            longest = max(longest, len(toks)) if out.step else longest
+        if out.step == 0:
+            continue
+        (session,) = sessions
+        for r in range(len(prompts)):
+            if not out.finished[r]:
+                snaps.append((r, prompts[r] + generated[r], draft_len(session, r), session.root_logp[r].clone()))
+    for r, p in enumerate(prompts):
+        assert generated[r] == hf_greedy(model, p, 18)
+    assert len(snaps) >= 6
+    if kind == "informed":
+        assert longest >= 3  # some steps committed accepted drafts, not just the bonus
+    for r, seq, n_entries, root_logp in snaps:
+        assert n_entries == len(seq) - 1
+        fresh = start(drafter, model, [seq[:-1]], [seq[-1]])
+        torch.testing.assert_close(root_logp, fresh.root_logp[0], atol=1e-4, rtol=0)
+
+
+# ---- greedy equality ------------------------------------------------------------------------
+
+
+@st.composite
+def random_dynamic(draw):
+    depth = draw(st.integers(1, 4))
+    k = draw(st.integers(1, 4))
+    pool = k + (depth - 1) * k * k
+    return TreeConfig.dynamic(depth, k, draw(st.integers(1, min(pool, 16))))
+
+
+@settings(max_examples=16, **SETTINGS)
+@given(
+    kind=st.sampled_from(["eagle1", "informed", "eagle3", "eagle3-vllm"]),
+    seed=st.integers(0, 2),
+    family=st.sampled_from(["llama", "qwen2"]),
+    prompts=st.lists(st.lists(st.integers(0, V - 1), min_size=1, max_size=12), min_size=1, max_size=3),
+    tree_cfg=st.one_of(st.sampled_from(["chain-2", "cpu", "eagle1"]), random_dynamic()),
+    max_new=st.integers(1, 20),
+    fmt=st.sampled_from(["safetensors", "bin"]),
+)
+def test_greedy_equals_hf_generate(ckpts, kind, seed, family, prompts, tree_cfg, max_new, fmt):
+    model = target(kind, seed, family)
+    drafter = treespec.load_draft(ckpts(kind, seed, fmt)[0], model)
+    out = treespec.generate(model, drafter, tree_cfg, prompts, max_new_tokens=max_new)
+    for p, seq in zip(prompts, out.sequences):
+        assert seq == hf_greedy(model, p, max_new)
+
+
+# ---- feature capture ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_runner_features_are_hf_hidden_states(family):
+    """FINAL_NORM is ``hidden_states[-1]``, layer i is ``hidden_states[i]`` (the state
+    entering layer i), concatenated in the order asked; also for tokens after a cached
+    prefix and for a ragged batch packed into one row."""
+    model = tiny_model(family, 2, vocab=V, hidden=H, layers=4)
+    fids = (FINAL_NORM, 0, 3, 1)
+    runner = ModelRunner(model, "torch", feature_layers=fids)
+    seqs_tokens = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2]]
+    split = [5, 2]  # prefill this many, then the rest after the cached prefix
+    with runner.attached():
+        cache = runner.new_cache([len(s) for s in seqs_tokens])
+        seqs = [cache.add_sequence() for _ in seqs_tokens]
+        got = [[] for _ in seqs_tokens]
+        for part in range(2):
+            chunks = [s[:n] if part == 0 else s[n:] for s, n in zip(seqs_tokens, split)]
+            start_pos = [0 if part == 0 else n for n in split]
+            out = runner.forward(cache, seqs, [torch.tensor(c) for c in chunks],
+                                 [torch.arange(p, p + len(c)) for p, c in zip(start_pos, chunks)],
+                                 [causal_mask(len(c)) for c in chunks], capture=True)
+            for b, (s, c) in enumerate(zip(seqs, chunks)):
+                cache.commit(s, torch.arange(cache.seq_lens[s], cache.seq_lens[s] + len(c)))
+                got[b].append(out.features[b])
+    for b, toks in enumerate(seqs_tokens):
+        feats = torch.cat(got[b])  # [T, 4H]
+        assert feats.shape == (len(toks), 4 * H)
+        want = hf_features(model, toks, fids)
+        torch.testing.assert_close(feats, want, atol=1e-5, rtol=0)
+        # Teeth: the state entering layer 3 is not the one leaving it (nor the final state).
+        assert (feats[:, 2 * H: 3 * H] - hf_features(model, toks, (FINAL_NORM,))).abs().max() > 1e-2

@@ -1,0 +1,5 @@
+"""Training draft heads (``treespec train-eagle``)."""
+
+from .trainer import Progress, TrainConfig, capture, train_eagle
+
+__all__ = ["TrainConfig", "train_eagle", "capture", "Progress"]

@@ -1,0 +1,469 @@
+"""Training an EAGLE head for a target model, on a CPU if need be.
+
+Pipeline (each stage resumable from ``out_dir``):
+
+1. **Capture** (``captured.pt``): per conversation, the token ids, the target features at
+   every position (EAGLE-3: the states entering layers low/mid/high; EAGLE-1/2: the final
+   post-norm state) and the target's greedy next token at every position (the label).
+   With ``regenerate=True`` the answers are first replaced by the target's own greedy
+   replies (self-distillation): features are captured during that generation, and the
+   labels are the generated tokens themselves.
+2. **Vocabulary** (EAGLE-3 with a reduced draft vocabulary): the ``draft_vocab_size`` most
+   frequent label tokens, sorted by id, give ``d2t``/``t2d``.
+3. **Train** with training-time test (EAGLE-3): step 1 runs the head on real features;
+   step s feeds the head's own step-(s-1) outputs back as features, attending as a
+   depth-(s-1) tree node would (to the real prefix and to its own chain of ancestors).
+   Loss: cross-entropy against the target's greedy token, weighted ``0.8**(s-1)``.
+4. **Save** the head in the public EAGLE-3 (or EAGLE-1/2) layout, fp16 safetensors.
+
+Why EAGLE-3-style training: the drafted tree is deeper than one step, and from depth 2 on
+the head reads its own outputs. Training on exactly that (training-time test) is what the
+EAGLE-3 paper credits for acceptance that keeps growing with data; EAGLE-1's feature
+regression only approximates it. A reduced draft vocabulary cuts the head's largest cost
+on a CPU (the output projection: 49152 x 576 for SmolLM2).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..drafters.base import DraftSession, DraftStart, Drafter
+from ..drafters.eagle import EagleHead, eagle3_feature_layers
+from .data import DataStats, read_jsonl, tokenize_example
+
+__all__ = ["TrainConfig", "train_eagle", "capture", "Progress"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainConfig:
+    data: str
+    out_dir: str
+    eagle3: bool = True
+    draft_vocab_size: int | None = 4096  # None: the full target vocabulary
+    max_examples: int | None = None
+    max_length: int = 512  # longer conversations are skipped and counted
+    regenerate: bool = False  # self-distillation: the target's own replies as answers
+    regenerate_count: int | None = None  # with regenerate: only the first N examples; the
+    # rest keep the data's answers, labelled with the target's greedy tokens
+    regen_max_new_tokens: int = 256
+    regen_batch_size: int = 16
+    capture_batch_size: int = 8
+    ttt_steps: int = 3
+    epochs: float = 2.0
+    batch_size: int = 8  # conversations per optimiser step
+    lr: float = 1e-3
+    warmup_steps: int = 50
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    seed: int = 0
+    val_examples: int = 32
+    checkpoint_every: int = 200
+    threads: int | None = None
+
+
+@dataclass
+class Progress:
+    """What the trainer reports to its caller (the CLI draws a progress bar from it)."""
+
+    stage: str
+    done: int
+    total: int
+    info: dict
+
+
+# ---- capture ----------------------------------------------------------------------------
+
+
+def _feature_ids(model, eagle3: bool) -> tuple[int, ...]:
+    return eagle3_feature_layers(model.config.num_hidden_layers) if eagle3 else (-1,)
+
+
+class _Hooks:
+    """Collect the states entering given decoder layers (or leaving the final norm)."""
+
+    def __init__(self, model, ids):
+        self.ids, self.store, self.handles = ids, {i: [] for i in ids}, []
+        dec = model.get_decoder()
+        for i in ids:
+            if i == -1:
+                self.handles.append(dec.norm.register_forward_hook(
+                    lambda m, a, o, i=i: self.store[i].append(o.detach())))
+            else:
+                self.handles.append(dec.layers[i].register_forward_pre_hook(
+                    lambda m, a, kw, i=i: self.store[i].append((a[0] if a else kw["hidden_states"]).detach()),
+                    with_kwargs=True))
+
+    def take(self) -> torch.Tensor:
+        """``[B, T, F]`` with calls concatenated along time."""
+        out = torch.cat([torch.cat(self.store[i], 1) for i in self.ids], -1)
+        for i in self.ids:
+            self.store[i].clear()
+        return out
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+def _left_pad(seqs, pad):
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), pad, dtype=torch.int64)
+    att = torch.zeros(len(seqs), T, dtype=torch.int64)
+    for i, s in enumerate(seqs):
+        ids[i, T - len(s):] = torch.tensor(s)
+        att[i, T - len(s):] = 1
+    return ids, att
+
+
+@torch.inference_mode()
+def capture(model, tokenizer, cfg: TrainConfig, callback: Callable[[Progress], None] | None = None):
+    """Stage 1: returns a list of records ``{"tokens", "features" (fp16), "labels", "prompt_len"}``."""
+    stats = DataStats()
+    examples = read_jsonl(cfg.data, cfg.max_examples, stats)
+    fids = _feature_ids(model, cfg.eagle3)
+    hooks = None
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    records = []
+    eos = tokenizer.eos_token_id
+    try:
+        regen_n = (len(examples) if cfg.regenerate_count is None else cfg.regenerate_count) if cfg.regenerate else 0
+        forced = examples[regen_n:]
+        if regen_n:
+            items = []
+            for ex in examples[:regen_n]:
+                ids, plen = tokenize_example(tokenizer, ex, answer="")
+                if plen + 2 > cfg.max_length:
+                    stats.skipped_too_long += 1
+                    continue
+                items.append(ids[:plen])
+            order = sorted(range(len(items)), key=lambda i: len(items[i]))
+            bs = cfg.regen_batch_size
+            for start in range(0, len(order), bs):
+                batch = [items[i] for i in order[start:start + bs]]
+                records.extend(_regenerate(model, batch, fids, cfg, eos))
+                if callback:
+                    callback(Progress("regenerate", min(start + bs, len(order)), len(order), {}))
+        if forced:
+            hooks = _Hooks(model, fids)
+            items = []
+            for ex in forced:
+                ids, plen = tokenize_example(tokenizer, ex)
+                if len(ids) > cfg.max_length:
+                    stats.skipped_too_long += 1
+                    continue
+                if len(ids) >= 3:
+                    items.append((ids, plen))
+            bs = cfg.capture_batch_size
+            for start in range(0, len(items), bs):
+                batch = items[start:start + bs]
+                ids, att = _left_pad([b[0] for b in batch], pad)
+                logits = model(input_ids=ids, attention_mask=att).logits
+                feats = hooks.take()
+                pred = logits.argmax(-1)
+                for j, (toks, plen) in enumerate(batch):
+                    off = ids.shape[1] - len(toks)
+                    labels = pred[j, off:].clone()
+                    labels[: max(plen - 1, 0)] = -100  # train on the reply (or all, for plain text)
+                    labels[-1] = -100
+                    records.append(_record(toks, feats[j, off: off + len(toks) - 1], labels, plen))
+                if callback:
+                    callback(Progress("capture", min(start + bs, len(items)), len(items), {}))
+    finally:
+        if hooks is not None:
+            hooks.close()
+    if stats.skipped_too_long:
+        log.warning("skipped %d conversations longer than max_length=%d", stats.skipped_too_long, cfg.max_length)
+    if not records:
+        raise ValueError(f"no training conversations left ({stats.describe()})")
+    return records, stats
+
+
+class _Recorder(Drafter):
+    """Wraps a drafter and keeps the target features the engine hands it: prompt
+    features at start, the accepted path's at each commit. Together they are the features
+    of every position but the last, exactly what training needs."""
+
+    def __init__(self, inner: Drafter, feature_ids):
+        self.inner, self.feature_layers, self.sessions = inner, tuple(feature_ids), []
+
+    def start(self, model, ctx: DraftStart):
+        inner = self.inner.start(model, ctx)
+        feats = [[f.to(torch.float16).cpu()] for f in ctx.features]
+        rec = self
+
+        class Session(DraftSession):
+            def propose(self, requests, roots, max_depth):
+                return inner.propose(requests, roots, max_depth)
+
+            def commit(self, requests, tokens, features):
+                for r, f in zip(requests, features):
+                    feats[r].append(f.to(torch.float16).cpu())
+                inner.commit(requests, tokens, None)
+
+            def finish(self, request):
+                inner.finish(request)
+
+        rec.sessions.append(feats)
+        return Session()
+
+
+def _regenerate(model, prompts, fids, cfg: TrainConfig, eos):
+    """The target's own greedy replies (lossless speculative decoding with prompt lookup)
+    and the features of every position, in one pass."""
+    from ..engine import generate
+    from ..drafters.ngram import NgramDrafter
+
+    rec = _Recorder(NgramDrafter(), fids)
+    max_new = max(1, min(cfg.regen_max_new_tokens, cfg.max_length - max(len(p) for p in prompts)))
+    out = generate(model, rec, "chain-3", prompts, max_new_tokens=max_new, eos_token_id=eos,
+                   attention_backend="torch")
+    feats = rec.sessions[-1]
+    records = []
+    for prompt, gen, f in zip(prompts, out.sequences, feats):
+        toks = list(prompt) + list(gen)
+        f = torch.cat(f)[: len(toks) - 1]
+        labels = torch.full((len(toks),), -100, dtype=torch.int64)
+        # labels[i] = the target's greedy token after position i (= toks[i+1]).
+        labels[len(prompt) - 1: len(toks) - 1] = torch.tensor(gen)
+        records.append(_record(toks, f, labels, len(prompt)))
+    return records
+
+
+def _record(tokens, feats, labels, plen):
+    return {"tokens": torch.tensor(tokens, dtype=torch.int64), "features": feats.to(torch.float16).cpu(),
+            "labels": labels.cpu(), "prompt_len": plen}
+
+
+# ---- vocabulary ---------------------------------------------------------------------------
+
+
+def draft_vocabulary(records, vocab_size: int, draft_vocab_size: int, always=()) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d2t [Vd] int64, t2d [V] bool)`` from label frequencies: the most frequent tokens
+    (and ``always``), sorted by id so that ``target = draft + d2t[draft]``."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for r in records:
+        lab = r["labels"]
+        lab = lab[lab >= 0]
+        counts.index_add_(0, lab, torch.ones_like(lab))
+    for t in always:
+        counts[t] = counts.max() + 1
+    keep = counts.topk(min(draft_vocab_size, vocab_size)).indices.sort().values
+    d2t = keep - torch.arange(keep.numel())
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[keep] = True
+    return d2t, t2d
+
+
+# ---- training-time test --------------------------------------------------------------------
+
+
+def _ttt_masks(T: int, steps: int, lengths: torch.Tensor) -> list[torch.Tensor]:
+    """For step s (1-based) a bool mask ``[B, T, s*T]`` over keys ``[K_1 | ... | K_s]``:
+    entry i sees step-1 keys at positions <= i-s+1 (the real prefix up to the simulated
+    root) and the step-j key at position i-s+j (its depth-(j-1) ancestor), j = 2..s."""
+    i = torch.arange(T)[:, None]
+    j = torch.arange(T)[None, :]
+    valid = torch.arange(T)[None, :] < lengths[:, None]  # [B, T] keys that exist
+    out = []
+    for s in range(1, steps + 1):
+        blocks = [(j <= i - s + 1)]
+        for jj in range(2, s + 1):
+            blocks.append(j == i - s + jj)
+        m = torch.cat(blocks, 1)[None] & valid.repeat(1, s)[:, None, :]
+        m[..., (s - 1) * T:] |= torch.eye(T, dtype=torch.bool)  # self, so no row is empty
+        out.append(m)
+    return out
+
+
+def ttt_loss(head: EagleHead, batch, steps: int):
+    """Mean weighted loss and per-step top-1 accuracy for a padded batch.
+
+    batch: ``tokens [B, T+1]``, ``features [B, T, F]``, ``labels [B, T]`` (entry i pairs
+    feature i with token i+1 and predicts the target's token after position i+1: labels
+    are shifted accordingly by the caller), ``lengths [B]`` entries per row.
+    """
+    c = head.config
+    tokens, feats, labels, lengths = batch["tokens"], batch["features"], batch["labels"], batch["lengths"]
+    B, T = labels.shape
+    pos = torch.arange(T)
+    masks = _ttt_masks(T, steps, lengths)
+    in_tok = tokens[:, 1: T + 1]  # entry i pairs with token i+1
+    hidden = head.project(feats)
+    ks, vs = [], []
+    total, accs = 0.0, []
+    weight_sum = 0.0
+    for s in range(1, steps + 1):
+        x, residual = head.qkv_input(in_tok.reshape(-1), hidden.reshape(B * T, -1))
+        a = head.layer.self_attn
+        q = a.q_proj(x).view(B, T, c.num_heads, c.head_dim)
+        k = a.k_proj(x).view(B, T, c.num_kv_heads, c.head_dim)
+        v = a.v_proj(x).view(B, T, c.num_kv_heads, c.head_dim)
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        cos, sin = head.rotary(x, pos[None].expand(B, T))
+        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        ks.append(k)
+        vs.append(v.transpose(1, 2))
+        o = F.scaled_dot_product_attention(
+            q, torch.cat(ks, 2), torch.cat(vs, 2), attn_mask=masks[s - 1][:, None],
+            enable_gqa=c.num_heads != c.num_kv_heads,
+        )  # [B, Hq, T, D]
+        h = residual.view(B, T, -1) + a.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+        h = h + head.layer.mlp(head.layer.post_attention_layernorm(h))
+        logits = head.logits(h)  # [B, T, Vd]
+        # Step s at entry i stands for a depth-(s-1) node at position i: only entries whose
+        # simulated root (i-s+1) exists count.
+        lab = labels.clone()
+        lab[:, : s - 1] = -100
+        if c.eagle3:
+            lab = torch.where(lab >= 0, _to_draft(head, lab.clamp(min=0)), -100)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), lab.reshape(-1), ignore_index=-100)
+        w = 0.8 ** (s - 1)
+        if torch.isfinite(loss):
+            total = total + w * loss
+            weight_sum += w
+        sel = lab >= 0
+        accs.append(float((logits.argmax(-1)[sel] == lab[sel]).float().mean()) if sel.any() else float("nan"))
+        # The next step reads this step's outputs, shifted: entry i takes entry i-1's output.
+        hidden = torch.cat([h[:, :1] * 0, h[:, :-1]], 1)
+    return total / max(weight_sum, 1e-9), accs
+
+
+def _to_draft(head: EagleHead, target_ids: torch.Tensor) -> torch.Tensor:
+    """Target ids -> draft ids, -100 where the token is outside the draft vocabulary."""
+    if not hasattr(head, "_t2d_index"):
+        idx = torch.full((head.config.vocab_size,), -100, dtype=torch.int64)
+        keep = torch.arange(head.config.draft_vocab_size) + head.d2t
+        idx[keep] = torch.arange(keep.numel())
+        head._t2d_index = idx
+    return head._t2d_index[target_ids]
+
+
+def _collate(records, idx):
+    rs = [records[i] for i in idx]
+    T = max(r["tokens"].numel() - 1 for r in rs)
+    B = len(rs)
+    Fdim = rs[0]["features"].shape[1]
+    tokens = torch.zeros(B, T + 1, dtype=torch.int64)
+    feats = torch.zeros(B, T, Fdim)
+    labels = torch.full((B, T), -100, dtype=torch.int64)
+    lengths = torch.zeros(B, dtype=torch.int64)
+    for b, r in enumerate(rs):
+        n = r["tokens"].numel()
+        tokens[b, :n] = r["tokens"]
+        feats[b, : n - 1] = r["features"][: n - 1].float()
+        # Entry i (feature i, token i+1) predicts the target's token after position i+1.
+        labels[b, : n - 2] = r["labels"][1: n - 1]
+        lengths[b] = n - 1
+    return {"tokens": tokens, "features": feats, "labels": labels, "lengths": lengths}
+
+
+def train_eagle(model, tokenizer, cfg: TrainConfig, callback: Callable[[Progress], None] | None = None) -> EagleHead:
+    """Run the whole pipeline; returns the trained head (also saved to ``cfg.out_dir``)."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    cap_path = out / "captured.pt"
+    if cap_path.exists():
+        records = torch.load(cap_path, weights_only=False)
+        log.info("resuming: %d captured conversations from %s", len(records), cap_path)
+    else:
+        t0 = time.time()
+        records, stats = capture(model, tokenizer, cfg, callback)
+        torch.save(records, cap_path)
+        log.info("captured %d conversations in %.0f s (%s)", len(records), time.time() - t0, stats.describe())
+
+    head = EagleHead.for_target(model, eagle3=cfg.eagle3, draft_vocab_size=cfg.draft_vocab_size)
+    head = head.float()
+    if cfg.eagle3:
+        V = head.config.vocab_size
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        d2t, t2d = draft_vocabulary(records, V, head.config.draft_vocab_size, always=eos)
+        head.d2t.copy_(d2t)
+        head.t2d.copy_(t2d)
+        with torch.no_grad():  # start the draft's output layer from the target's rows
+            keep = torch.arange(d2t.numel()) + d2t
+            head.lm_head.weight.copy_(model.get_output_embeddings().weight[keep].float())
+    for p in head.parameters():
+        p.requires_grad_(True)
+    params = [p for p in head.parameters() if p.requires_grad]
+
+    rng = random.Random(cfg.seed)
+    order = list(range(len(records)))
+    rng.shuffle(order)
+    val = order[: min(cfg.val_examples, len(order) // 10)]
+    train = order[len(val):]
+    steps_per_epoch = math.ceil(len(train) / cfg.batch_size)
+    total_steps = max(1, int(steps_per_epoch * cfg.epochs))
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+
+    def lr_at(step):
+        if step < cfg.warmup_steps:
+            return cfg.lr * (step + 1) / cfg.warmup_steps
+        t = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+        return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
+
+    ckpt = out / "checkpoint.pt"
+    step = 0
+    if ckpt.exists():
+        state = torch.load(ckpt, weights_only=False)
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["opt"])
+        step = state["step"]
+        log.info("resuming training at step %d of %d", step, total_steps)
+
+    # Batches by similar length keep padding low; shuffled once per epoch.
+    def epoch_batches(epoch):
+        r = random.Random(cfg.seed + epoch)
+        idx = sorted(train, key=lambda i: records[i]["tokens"].numel() + r.random() * 8)
+        batches = [idx[i: i + cfg.batch_size] for i in range(0, len(idx), cfg.batch_size)]
+        r.shuffle(batches)
+        return batches
+
+    head.train()
+    t0, tokens_seen = time.time(), 0
+    while step < total_steps:
+        epoch, within = divmod(step, steps_per_epoch)
+        for bidx in epoch_batches(epoch)[within:]:
+            if step >= total_steps:
+                break
+            batch = _collate(records, bidx)
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step)
+            loss, accs = ttt_loss(head, batch, cfg.ttt_steps)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            opt.step()
+            step += 1
+            tokens_seen += int(batch["lengths"].sum())
+            if callback:
+                callback(Progress("train", step, total_steps, {
+                    "loss": float(loss.detach()), "acc": accs, "tok/s": tokens_seen / max(time.time() - t0, 1e-9)}))
+            if step % cfg.checkpoint_every == 0 or step == total_steps:
+                torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step,
+                            "config": asdict(cfg)}, ckpt)
+    head.eval()
+    if val:
+        with torch.no_grad():
+            vb = _collate(records, val)
+            vloss, vacc = ttt_loss(head, vb, cfg.ttt_steps)
+        log.info("validation loss %.3f, top-1 accuracy by step %s", float(vloss), [round(a, 3) for a in vacc])
+        (out / "validation.txt").write_text(
+            f"loss {float(vloss):.4f}\ntop1_by_step {' '.join(f'{a:.4f}' for a in vacc)}\n")
+    head.save_pretrained(out / "head")
+    return head
