@@ -294,7 +294,11 @@ def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts, param
 
             t0 = time.perf_counter()
             trees = session.propose(active, roots, max_depth)
-            trees = [t.prune(max_depth=d, max_nodes=cfg.num_nodes) for t, d in zip(trees, max_depth)]
+            # Trim to the budget: depth as above, nodes to the tree size and the KV room left.
+            trees = [
+                t.prune(max_depth=d, max_nodes=min(cfg.num_nodes, cache.capacity(seqs[b]) - L - 1))
+                for t, d, b, L in zip(trees, max_depth, active, committed_len)
+            ]
             for t, root in zip(trees, roots):
                 if t.tokens is None or int(t.tokens[0]) != root:
                     raise RuntimeError(f"{type(drafter).__name__} proposed a tree whose root is not the last committed token")
