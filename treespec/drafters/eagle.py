@@ -70,12 +70,19 @@ class HeadConfig:
 
     @classmethod
     def from_json(cls, cfg: dict, state: dict) -> "HeadConfig":
-        eagle3 = "draft_vocab_size" in cfg or any(k.startswith("midlayer.") for k in state) or "d2t" in state
+        H = cfg["hidden_size"]
+        q = state.get("midlayer.self_attn.q_proj.weight", state.get("layers.0.self_attn.q_proj.weight"))
+        eagle3 = ("draft_vocab_size" in cfg or "d2t" in state
+                  or any(k.startswith("midlayer.") for k in state)
+                  or (q is not None and q.shape[1] == 2 * H))  # EAGLE-3 attends over [embed, hidden]
         H = cfg["hidden_size"]
         heads = cfg["num_attention_heads"]
         rope = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0
-        if (cfg.get("rope_scaling") or {}).get("rope_type", "default") not in ("default", None):
-            raise ValueError(f"EAGLE head rope_scaling {cfg['rope_scaling']} is not supported")
+        for key in ("rope_scaling", "rope_parameters"):
+            rs = cfg.get(key) or {}
+            kind = rs.get("rope_type", rs.get("type", "default"))
+            if kind not in ("default", None):
+                raise ValueError(f"EAGLE head {key} of type {kind!r} is not supported (only default RoPE)")
         prefix = "midlayer." if eagle3 else "layers.0."
         return cls(
             hidden_size=H,
@@ -90,7 +97,7 @@ class HeadConfig:
             draft_vocab_size=cfg.get("draft_vocab_size") or cfg["vocab_size"],
             target_hidden_size=cfg.get("target_hidden_size") or H,
             fc_bias="fc.bias" in state,
-            attn_bias=f"{prefix}self_attn.q_proj.bias" in state,
+            attn_bias=f"{prefix}self_attn.q_proj.bias" in state or "layers.0.self_attn.q_proj.bias" in state,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         )
 
@@ -190,7 +197,8 @@ class EagleHead(nn.Module):
         head = cls(c, target_model.get_input_embeddings(), None if eagle3 else target_model.get_output_embeddings())
         if eagle3:
             head.d2t.zero_()
-            head.t2d.fill_(True) if c.draft_vocab_size == V else head.t2d.zero_()
+            head.t2d.zero_()
+            head.t2d[: c.draft_vocab_size] = True  # identity mapping until trained
         p = next(target_model.parameters())
         return head.to(device=p.device, dtype=p.dtype)
 
@@ -312,7 +320,13 @@ def _head_from_dir(path, target_model) -> EagleHead:
             continue
         else:
             ours[k] = v
-    missing, unexpected = head.load_state_dict(ours, strict=False)
+    if c.eagle3 and c.draft_vocab_size == c.vocab_size:  # a full draft vocabulary may omit the maps
+        ours.setdefault("d2t", torch.zeros(c.vocab_size, dtype=torch.int64))
+        ours.setdefault("t2d", torch.ones(c.vocab_size, dtype=torch.bool))
+    try:
+        missing, unexpected = head.load_state_dict(ours, strict=False)
+    except RuntimeError as e:  # shape mismatches
+        raise ValueError(f"EAGLE checkpoint {path} does not fit its config: {e}") from None
     missing = [m for m in missing if not m.startswith("rotary.")]
     if missing or unexpected:
         raise ValueError(f"EAGLE checkpoint {path} does not fit the layout: missing {missing}, unexpected {unexpected}")
@@ -332,6 +346,10 @@ def _check_fit(c: HeadConfig, state: dict, target_model) -> None:
             ids = torch.arange(d2t.numel()) + d2t.to(torch.int64)
             if d2t.numel() != c.draft_vocab_size or ids.min() < 0 or ids.max() >= tv or ids.unique().numel() != ids.numel():
                 raise ValueError("EAGLE-3 d2t must map each draft id to a distinct target id within the vocabulary")
+        t2d = state.get("t2d")
+        if d2t is not None and t2d is not None:
+            if t2d.numel() != tv or int(t2d.sum()) != d2t.numel() or not bool(t2d.bool()[ids].all()):
+                raise ValueError("EAGLE-3 t2d must mark exactly the target ids that d2t maps to")
         if c.target_hidden_size != th:
             raise ValueError(f"EAGLE-3 head expects target hidden size {c.target_hidden_size}, the target has {th}")
         w = state.get("fc.weight")
