@@ -1,16 +1,540 @@
-"""The ``treespec`` command line."""
+"""The ``treespec`` command line.
+
+    treespec generate [--model M] [--draft D] [--tree T] [--prompt TEXT | --chat TEXT] ...
+    treespec bench [--dataset gsm8k] [--draft D ...] [--tree T ...] [--out results.json] ...
+    treespec tree show PRESET|TREE.json [--prompt TEXT --model M --draft D] --out tree.png
+    treespec train-eagle --data DATA.jsonl --out DIR ...
+
+A draft ``D`` is a shipped head name (``treespec.assets.DRAFTS``), an EAGLE head directory,
+``ngram`` (prompt lookup, no model) or ``model:NAME_OR_PATH`` (an independent small LM). A
+tree ``T`` is a preset name (``treespec.PRESETS``) or a JSON file: a list of child-rank
+paths (``[[0], [1], [0, 0]]``), ``{"paths": [...]}`` or ``{"depth": 5, "top_k": 4,
+"num_nodes": 16}`` for a dynamic tree.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import re
+import shlex
 import sys
+import textwrap
+from pathlib import Path
 
-__all__ = ["main"]
+__all__ = ["main", "build_parser"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_DRAFT = "smollm2-135m-instruct-eagle"
+# A GSM8K-style word problem (GSM8K train, first record): the shipped head trained on them.
+DEFAULT_CHAT = (
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips "
+    "in May. How many clips did Natalia sell altogether in April and May?"
+)
 
 
 class UserError(Exception):
     """A mistake the user can fix: printed as one line, no traceback."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors as one line (``treespec: error: ...``), exit code 2."""
+
+    def error(self, message):
+        self.exit(2, f"treespec: error: {message} (see {self.prog} --help)\n")
+
+
+# ---- shared pieces ----------------------------------------------------------------------
+
+
+def _load_model(name):
+    from . import models
+
+    try:
+        return models.load(name)
+    except models.ModelUnavailableError as e:
+        raise UserError(str(e)) from None
+    except OSError as e:  # a folder transformers cannot read
+        raise UserError(f"cannot load the model {name!r}: {e}".splitlines()[0]) from None
+
+
+def _tree(spec: str):
+    """``(TreeConfig, short name)`` of a preset name or a JSON tree file."""
+    from .config import PRESETS, TreeConfig
+
+    if spec in PRESETS:
+        return PRESETS[spec].config, spec
+    if re.fullmatch(r"chain-[1-9][0-9]*", spec):  # chains longer than the presets' 8
+        return TreeConfig.chain(int(spec[len("chain-"):])), spec
+    path = Path(spec).expanduser()
+    if not (path.suffix.lower() == ".json" or path.exists() or "/" in spec):
+        raise UserError(f"unknown tree preset {spec!r}; known presets: {', '.join(PRESETS)} "
+                        f"(or give a JSON file of paths)")
+    if not path.is_file():
+        raise UserError(f"no tree file at {spec}")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{spec} is not valid JSON: {e}") from None
+    hint = ('expected a list of child-rank paths like [[0], [1], [0, 0]], {"paths": [...]} or '
+            '{"depth": 5, "top_k": 4, "num_nodes": 16}')
+    try:
+        if isinstance(data, dict) and set(data) == {"paths"}:
+            data = data["paths"]
+        if isinstance(data, dict) and set(data) == {"depth", "top_k", "num_nodes"}:
+            return TreeConfig.dynamic(data["depth"], data["top_k"], data["num_nodes"]), path.stem
+        if not (isinstance(data, list) and all(isinstance(p, list) and all(isinstance(r, int) and not isinstance(r, bool)
+                                                                            for r in p) for p in data)):
+            raise ValueError(hint)
+        return TreeConfig.static(data), path.stem
+    except (ValueError, TypeError) as e:
+        msg = str(e)
+        raise UserError(f"bad tree in {spec}: {msg}" + ("" if msg == hint else f"; {hint}")) from None
+
+
+def _check_draft_spec(spec: str) -> None:
+    """Fail before loading any model when a draft head is missing."""
+    from .assets import DRAFTS, resolve_draft
+
+    if spec == "ngram" or spec.startswith("model:"):
+        if spec == "model:":
+            raise UserError("--draft model: needs a model name or path, e.g. model:stories260k")
+        return
+    try:
+        resolve_draft(spec)
+    except FileNotFoundError as e:
+        if spec in DRAFTS:
+            raise UserError(f"the shipped draft {spec!r} is missing ({DRAFTS[spec][0]} has no config.json); "
+                            f"use --draft ngram, or train one with treespec train-eagle") from None
+        raise UserError(f"{e}; or use --draft ngram or --draft model:NAME") from None
+
+
+def _drafter(spec: str, model, tokenizer, backend: str):
+    """``(Drafter, short name)`` for a draft spec, checked against ``model``."""
+    from .drafters import ModelDrafter, NgramDrafter, load_draft
+
+    _check_draft_spec(spec)
+    if spec == "ngram":
+        return NgramDrafter(), "ngram"
+    if spec.startswith("model:"):
+        dmodel, dtok = _load_model(spec[len("model:"):])
+        if tokenizer is not None and dtok is not None and dtok.get_vocab() != tokenizer.get_vocab():
+            log.warning("the draft model's tokenizer differs from the target's: drafts will rarely be accepted")
+        drafter, name = ModelDrafter(dmodel, attention_backend=backend), spec
+    else:
+        drafter = load_draft(spec, model, attention_backend=backend)
+        name = spec if "/" not in spec else Path(spec).name
+    drafter.check_compatible(model)  # vocabulary mismatches surface here, as ValueError
+    return drafter, name
+
+
+def _sampling(args):
+    from .sampling import SamplingParams
+
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    try:
+        return SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p)
+    except ValueError as e:
+        raise UserError(f"bad sampling values: {e}") from None
+
+
+def _prompt_ids(tokenizer, args, model_name: str) -> list[int]:
+    from .bench import encode_prompt
+
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if args.prompt is not None:
+        return encode_prompt(tokenizer, args.prompt, chat=False)
+    if args.chat is not None:
+        if not has_template:
+            raise UserError(f"{model_name} has no chat template: use --prompt TEXT")
+        return encode_prompt(tokenizer, args.chat, chat=True)
+    if not has_template:
+        log.warning("%s has no chat template: the built-in message is used as plain text", model_name)
+    return encode_prompt(tokenizer, DEFAULT_CHAT, chat=has_template)
+
+
+def _add_sampling(p, seed=None):
+    g = p.add_argument_group("sampling (temperature 0: greedy, the default)")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--min-p", type=float, default=None)
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--seed", type=int, default=seed,
+                   help="sampling seed" + (" (prompt i uses seed + i; default: %(default)s)" if seed is not None else ""))
+
+
+def _add_runtime(p):
+    p.add_argument("--backend", choices=["auto", "torch", "flashinfer"], default="auto",
+                   help="tree attention backend (auto: FlashInfer on CUDA when installed)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
+def _setup_threads(args):
+    if args.threads is not None:
+        import torch
+
+        if args.threads < 1:
+            raise UserError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+
+
+# ---- generate ---------------------------------------------------------------------------
+
+
+def _add_generate(sub):
+    p = sub.add_parser("generate", help="generate text with tree speculation, streamed to stdout",
+                       description="Generate with tree speculation: the text streams to stdout as it is "
+                                   "committed, a summary line goes to stderr.")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="target: a treespec name, HF id or path")
+    p.add_argument("--draft", default=DEFAULT_DRAFT,
+                   help="a shipped head name, an EAGLE head directory, 'ngram' or 'model:NAME_OR_PATH' "
+                        "(default: %(default)s)")
+    p.add_argument("--tree", default="cpu", help="a preset name or a JSON tree file (default: %(default)s)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="plain text to continue")
+    src.add_argument("--chat", help="a user message, wrapped in the model's chat template")
+    _add_sampling(p)
+    _add_runtime(p)
+    p.set_defaults(func=_generate)
+
+
+class _TextStream:
+    """Writes decoded text as tokens arrive: decodes all generated ids each time (so
+    multi-token characters and tokenizer spacing come out right) and writes the new suffix."""
+
+    def __init__(self, tokenizer, out):
+        self.tok, self.out = tokenizer, out
+        self.ids: list[int] = []
+        self.printed = ""
+
+    def push(self, tokens, final: bool = False):
+        self.ids.extend(tokens)
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd") and not final:
+            return  # the last character's bytes are not all there yet
+        self.out.write(text[len(self.printed):])
+        self.out.flush()
+        self.printed = text
+
+
+def _generate(args):
+    from .engine import stream
+
+    sp = _sampling(args)
+    cfg, tree_name = _tree(args.tree)
+    _check_draft_spec(args.draft)
+    _setup_threads(args)
+    model, tok = _load_model(args.model)
+    drafter, draft_name = _drafter(args.draft, model, tok, args.backend)
+    ids = _prompt_ids(tok, args, args.model)
+
+    text = _TextStream(tok, sys.stdout)
+    metrics = None
+    for out in stream(model, drafter, cfg, ids, max_new_tokens=args.max_new_tokens, temperature=sp.temperature,
+                      top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p, seed=args.seed,
+                      attention_backend=args.backend):
+        text.push(out.tokens[0])
+        metrics = out.metrics
+    text.push([], final=True)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    m = metrics
+    print(f"[treespec] {m.num_generated} tokens in {m.total_seconds:.2f} s: {m.tokens_per_second:.1f} tokens/s, "
+          f"mean accepted length {m.mean_accepted_length:.2f}, {m.num_steps} steps "
+          f"(draft {draft_name}, tree {tree_name})", file=sys.stderr)
+
+
+# ---- bench ------------------------------------------------------------------------------
+
+
+def _add_bench(sub):
+    p = sub.add_parser(
+        "bench", help="benchmark HF generate, HF prompt lookup and treespec side by side",
+        description="Run HF generate, HF prompt lookup and treespec configurations side by side on the same "
+                    "prompts (all configurations on prompt i before prompt i+1). Greedy outputs are checked "
+                    "token for token against HF generate; a treespec mismatch exits with status 1.",
+    )
+    p.add_argument("--model", default=DEFAULT_MODEL, help="target: a treespec name, HF id or path")
+    p.add_argument("--draft", action="append", default=None,
+                   help="draft to run (repeatable): a shipped head name, head directory, 'ngram' or "
+                        f"'model:NAME' (default: {DEFAULT_DRAFT} and ngram)")
+    p.add_argument("--tree", action="append", default=None,
+                   help="tree to run with each draft (repeatable): preset or JSON file (default: cpu)")
+    p.add_argument("--chain", type=int, default=None, metavar="K",
+                   help="also run each draft with a chain of K (default: 3 for ngram, 4 for others; 0: none)")
+    p.add_argument("--config", action="append", default=None, metavar="DRAFT@TREE",
+                   help="run exactly these draft/tree pairs instead of --draft x (chain + --tree) (repeatable)")
+    p.add_argument("--lookup-tokens", type=int, default=3, metavar="K",
+                   help="HF prompt lookup's prompt_lookup_num_tokens (default: %(default)s, as ngram's chain-3)")
+    p.add_argument("--no-hf-lookup", action="store_true", help="skip HF prompt lookup")
+    p.add_argument("--dataset", default="gsm8k", help="gsm8k, humaneval or a .jsonl file (default: %(default)s)")
+    p.add_argument("--prompt-field", default=None, help="JSONL field holding the prompt (default: question for "
+                   "gsm8k, prompt otherwise)")
+    p.add_argument("--raw", action="store_true", help="use the prompts as plain text, without the chat template")
+    p.add_argument("--num-prompts", type=int, default=10)
+    _add_sampling(p, seed=0)
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="one untimed generate per configuration first (default: on)")
+    _add_runtime(p)
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--plot-dir", default=None, help="write PNG plots into this folder")
+    p.add_argument("--plot-prefix", default="", help="file name prefix of the PNGs")
+    p.set_defaults(func=_bench)
+
+
+def _bench_pairs(args) -> list[tuple[str, str]]:
+    """The treespec (draft spec, tree spec) pairs to run, in order."""
+    if args.config:
+        if args.draft or args.tree or args.chain is not None:
+            raise UserError("--config gives the exact draft/tree pairs: drop --draft, --tree and --chain")
+        pairs = []
+        for c in args.config:
+            draft, sep, tree = c.rpartition("@")
+            if not sep or not draft or not tree:
+                raise UserError(f"--config {c!r} must look like DRAFT@TREE, e.g. ngram@chain-3")
+            pairs.append((draft, tree))
+        return pairs
+    drafts = args.draft or [DEFAULT_DRAFT, "ngram"]
+    trees = args.tree or ["cpu"]
+    pairs = []
+    for d in drafts:
+        k = args.chain if args.chain is not None else (3 if d == "ngram" else 4)
+        if k < 0:
+            raise UserError(f"--chain must be >= 0, got {k}")
+        for t in ([f"chain-{k}"] if k else []) + trees:
+            if (d, t) not in pairs:
+                pairs.append((d, t))
+    return pairs
+
+
+def _bench(args):
+    from tqdm import tqdm
+
+    from .bench import BenchConfig, dataset_file, format_table, load_prompts, run_bench, save_plots, to_json
+
+    sp = _sampling(args)
+    if args.num_prompts < 1:
+        raise UserError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if args.lookup_tokens < 1:
+        raise UserError(f"--lookup-tokens must be >= 1, got {args.lookup_tokens}")
+    pairs = _bench_pairs(args)
+    trees = {t: _tree(t) for t in dict.fromkeys(t for _, t in pairs)}
+    dataset_file(args.dataset)  # missing data and heads fail before the model loads
+    for d in dict.fromkeys(d for d, _ in pairs):
+        _check_draft_spec(d)
+    _setup_threads(args)
+
+    model, tok = _load_model(args.model)
+    prompts, fmt = load_prompts(args.dataset, tok, args.num_prompts, prompt_field=args.prompt_field, raw=args.raw)
+    drafters = {d: _drafter(d, model, tok, args.backend) for d in dict.fromkeys(d for d, _ in pairs)}
+    configs = [BenchConfig.hf_generate()]
+    if not args.no_hf_lookup:
+        configs.append(BenchConfig.hf_lookup(args.lookup_tokens))
+    for d, t in pairs:
+        drafter, dname = drafters[d]
+        cfg, tname = trees[t]
+        configs.append(BenchConfig.treespec(drafter, cfg, dname, tname))
+
+    bars = {}
+
+    def progress(p):
+        bar = bars.get(p.stage)
+        if bar is None:
+            bar = bars[p.stage] = tqdm(total=p.total, desc=p.stage, unit="prompt" if p.stage == "prompts" else "config",
+                                       dynamic_ncols=True, leave=p.stage == "prompts")
+        bar.n = p.done
+        bar.set_postfix_str(p.config or "", refresh=False)
+        bar.refresh()
+        if p.done == p.total and (p.stage == "warmup" or p.config is None):
+            bar.close()
+
+    res = run_bench(model, prompts, configs, max_new_tokens=args.max_new_tokens, temperature=sp.temperature,
+                    top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p, seed=args.seed, warmup=args.warmup,
+                    attention_backend=args.backend, callback=progress)
+    for bar in bars.values():
+        bar.close()
+    data = to_json(res, command="treespec " + shlex.join(args.argv), model=args.model, dataset=args.dataset,
+                   prompt_format=fmt)
+    print(f"{args.model} on {args.dataset} ({fmt} prompts): {len(prompts)} prompt(s), {args.max_new_tokens} new tokens, "
+          + ("greedy" if sp.greedy else f"temperature {sp.temperature}")
+          + "; tok/s: total tokens / total seconds, med: median over prompts, tau: mean accepted length")
+    print(format_table(data))
+    for note in data["notes"]:
+        print(f"note: {note}")
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(data, indent=2) + "\n")
+        print(f"wrote {out}")
+    if args.plot_dir:
+        for path in save_plots(data, args.plot_dir, args.plot_prefix):
+            print(f"wrote {path}")
+    bad = [c for c in data["configs"] if c["kind"] == "treespec" and c.get("mismatches")]
+    if bad:
+        print("treespec: error: greedy output differs from HF generate: " + "; ".join(
+            f"{c['name']} on {c['mismatches']} prompt(s), first prompt {c['first_mismatch']}" for c in bad),
+            file=sys.stderr)
+        return 1
+    return 0
+
+
+# ---- tree show --------------------------------------------------------------------------
+
+
+def _add_tree(sub):
+    p = sub.add_parser("tree", help="look at tree shapes")
+    tsub = p.add_subparsers(dest="tree_command", required=True)
+    s = tsub.add_parser(
+        "show", help="draw a tree preset, or the tree a draft proposes on a prompt",
+        description="Draw a preset's (or JSON file's) shape. With --prompt or --chat: load the model and draft, "
+                    "draw the tree the draft proposes at the first step, labelled with decoded tokens, and "
+                    "highlight the path the model accepts (greedy).",
+    )
+    s.add_argument("tree", metavar="PRESET|CONFIG.json")
+    s.add_argument("--out", required=True, help="PNG file to write")
+    src = s.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="plain text prompt: draw the tree drafted for it")
+    src.add_argument("--chat", help="a user message (chat template applied): draw the tree drafted for it")
+    s.add_argument("--model", default=DEFAULT_MODEL, help="target, with --prompt/--chat (default: %(default)s)")
+    s.add_argument("--draft", default=DEFAULT_DRAFT, help="draft, with --prompt/--chat (default: %(default)s)")
+    s.add_argument("--dpi", type=int, default=100)
+    _add_runtime(s)
+    s.set_defaults(func=_tree_show)
+
+
+def _wrap(text: str, width: int = 80) -> str:
+    return "\n".join(textwrap.wrap(text, width))
+
+
+def _example_dynamic(cfg):
+    """A dynamic config's tree drafted by a seeded random Markov draft: one example of the
+    shapes it takes (the real shape follows the draft's scores each step)."""
+    import torch
+
+    from .builder import build_dynamic_trees
+
+    V = max(cfg.top_k * 3, 12)
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(V, V, generator=g).mul(2.5).log_softmax(-1)  # [V, V]
+    (tree,) = build_dynamic_trees(torch.tensor([0]), table[0][None], lambda f: (table[f.tokens], None), cfg)
+    return tree
+
+
+def _token_label(tok, t: int) -> str:
+    s = tok.decode([t])
+    piece = tok.convert_ids_to_tokens(t)
+    if isinstance(piece, str) and piece[:1] in ("\u2581", "\u0120") and not s.startswith(" "):
+        s = " " + s  # SentencePiece drops a lone token's leading space; it starts a word
+    s = s.replace("\n", "\\n").replace("\t", "\\t")
+    return s.replace(" ", "·") if s.strip() else repr(s)
+
+
+def _recording(inner):
+    """``inner`` wrapped so that the trees its sessions propose are kept, with the
+    ``max_depth`` the engine asked for: ``drafter.trees == [(trees, max_depth), ...]``."""
+    from .drafters.base import Drafter, DraftSession
+
+    class Session(DraftSession):
+        def __init__(self, session, trees):
+            self.session, self.trees = session, trees
+
+        def propose(self, requests, roots, max_depth):
+            trees = self.session.propose(requests, roots, max_depth)
+            self.trees.append((trees, list(max_depth)))
+            return trees
+
+        def commit(self, requests, tokens, features):
+            self.session.commit(requests, tokens, features)
+
+        def finish(self, request):
+            self.session.finish(request)
+
+    class Recording(Drafter):
+        feature_layers, samples = inner.feature_layers, inner.samples
+
+        def __init__(self):
+            self.trees = []
+
+        def check_compatible(self, model):
+            inner.check_compatible(model)
+
+        def features_for(self, model):
+            return inner.features_for(model)
+
+        def start(self, model, ctx):
+            return Session(inner.start(model, ctx), self.trees)
+
+    return Recording()
+
+
+def _tree_show(args):
+    from .config import PRESETS
+    from .viz import save_tree_png
+
+    cfg, name = _tree(args.tree)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    about = PRESETS[name].description if name in PRESETS and args.tree == name else str(args.tree)
+    if args.prompt is None and args.chat is None:
+        if cfg.kind == "static":
+            tree = cfg.static_tree()
+            title = f"{name}: {cfg.describe()}\n" + _wrap(about) + "\nnode labels are indices"
+        else:
+            tree = _example_dynamic(cfg)
+            title = (f"{name}: {cfg.describe()}\nan example: the shape is chosen each step from the draft's "
+                     f"scores\n(here a seeded random draft); use --prompt to draw a real one")
+        save_tree_png(tree, out, title=title, dpi=args.dpi)
+        print(f"wrote {out} ({tree.num_drafted} drafted nodes, depth {tree.max_depth})")
+        return 0
+
+    from .engine import stream
+
+    _check_draft_spec(args.draft)
+    _setup_threads(args)
+    model, tok = _load_model(args.model)
+    drafter, draft_name = _drafter(args.draft, model, tok, args.backend)
+    ids = _prompt_ids(tok, args, args.model)
+    rec = _recording(drafter)
+    tokens = {}
+    gen = stream(model, rec, cfg, ids, max_new_tokens=cfg.depth + 2, attention_backend=args.backend)
+    try:
+        for step in gen:
+            tokens[step.step] = step.tokens[0]
+            if step.step == 1 or step.finished[0]:
+                break
+    finally:
+        gen.close()
+    if not rec.trees or 1 not in tokens:
+        raise UserError(f"{args.model} ended its reply at the first token: there is no tree to draw")
+    (tree,), (depth,) = rec.trees[0]
+    tree = tree.prune(max_depth=depth, max_nodes=cfg.num_nodes)  # as the engine verified it
+    # The committed tokens are the accepted drafts then the bonus: follow them down the tree.
+    path, node = [0], 0
+    children = {}
+    for i, p in enumerate(tree.parents.tolist()[1:], start=1):
+        children.setdefault(p, []).append(i)
+    for t in tokens[1][:-1]:
+        node = next(c for c in children.get(node, []) if int(tree.tokens[c]) == t)
+        path.append(node)
+    labels = [_token_label(tok, int(t)) for t in tree.tokens.tolist()]
+    shown = args.prompt if args.prompt is not None else args.chat
+    title = (f"{name} ({cfg.describe()}) drafted by {draft_name} at the first step\n"
+             f"prompt: {shown[:60]!r}{'...' if len(shown) > 60 else ''}\n"
+             f"highlighted: the path {args.model} accepts greedily ({len(path) - 1} of {tree.num_drafted} drafted "
+             f"tokens, then bonus {_token_label(tok, tokens[1][-1])})")
+    save_tree_png(tree, out, labels=labels, highlight=path, title=title, dpi=args.dpi)
+    print(f"wrote {out} ({tree.num_drafted} drafted nodes, {len(path) - 1} accepted)")
+    if tree.num_drafted == 0:
+        print(f"{draft_name} proposed no tokens at the first step on this prompt")
+    return 0
+
+
+# ---- train-eagle ------------------------------------------------------------------------
 
 
 def _add_train(sub):
@@ -36,7 +560,6 @@ def _add_train(sub):
 def _train(args):
     from tqdm import tqdm
 
-    from . import models
     from .train import TrainConfig, train_eagle
 
     cfg = TrainConfig(
@@ -66,34 +589,38 @@ def _train(args):
     print(f"saved the head to {args.out}/head")
 
 
-def _load_model(name):
-    from . import models
-
-    try:
-        return models.load(name)
-    except models.ModelUnavailableError as e:
-        raise UserError(str(e)) from None
+# ---- entry point ------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="treespec", description="tree-attention speculative decoding")
+    parser = _Parser(prog="treespec", description="tree-attention speculative decoding")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_bench(sub)
+    _add_tree(sub)
     _add_train(sub)
     return parser
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2, already printed as one line)
+        return e.code if isinstance(e.code, int) else 0
+    args.argv = argv
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        args.func(args)
+        return args.func(args) or 0
     except (UserError, FileNotFoundError, ValueError) as e:
         print(f"treespec: error: {e}", file=sys.stderr)
         return 2
-    return 0
+    except KeyboardInterrupt:
+        print("treespec: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

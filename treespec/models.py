@@ -53,6 +53,7 @@ __all__ = [
     "permute_qk",
     "shared_dir",
     "unpermute_qk",
+    "truncated_draft",
 ]
 
 
@@ -413,3 +414,32 @@ def load(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.float32)
             f"reachable from here ({err}). Offline, download it elsewhere or set HF_HUB_OFFLINE=1 to "
             "use the local Hugging Face cache only."
         ) from err
+
+
+def truncated_draft(model, num_layers: int):
+    """A draft model made of ``model``'s first ``num_layers`` decoder layers, its final norm
+    and output head (early exit, as in LayerSkip's self-speculation), for
+    :class:`~treespec.drafters.ModelDrafter` when no smaller model shares the vocabulary.
+
+    Weights are shared with ``model`` (no copy); the configuration is a separate object, so
+    switching one model's attention implementation leaves the other alone.
+    """
+    import copy
+
+    total = model.config.num_hidden_layers
+    if not 1 <= num_layers < total:
+        raise ValueError(f"num_layers must be in 1..{total - 1} for a {total}-layer model, got {num_layers}")
+    cfg = copy.deepcopy(model.config)
+    cfg.num_hidden_layers = num_layers
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = cfg.layer_types[:num_layers]
+    with torch.device("meta"):
+        draft = type(model)(cfg)
+    decoder, src = draft.get_decoder(), model.get_decoder()
+    decoder.embed_tokens = src.embed_tokens
+    decoder.layers = torch.nn.ModuleList(src.layers[:num_layers])
+    decoder.norm = src.norm
+    decoder.rotary_emb = copy.deepcopy(src.rotary_emb)
+    draft.lm_head = model.lm_head
+    draft.generation_config = copy.deepcopy(model.generation_config)
+    return draft.eval()

@@ -189,6 +189,22 @@ def capture(model, tokenizer, cfg: TrainConfig, callback: Callable[[Progress], N
     return records, stats
 
 
+class _NoDraft(Drafter):
+    """Root-only trees: plain decoding through treespec's engine."""
+
+    def start(self, model, ctx):
+        class Session(DraftSession):
+            def propose(self, requests, roots, max_depth):
+                from ..tree import Tree
+
+                return [Tree([-1], [r]) for r in roots]
+
+            def commit(self, requests, tokens, features):
+                pass
+
+        return Session()
+
+
 class _Recorder(Drafter):
     """Wraps a drafter and keeps the target features the engine hands it: prompt
     features at start, the accepted path's at each commit. Together they are the features
@@ -222,11 +238,12 @@ def _regenerate(model, prompts, fids, cfg: TrainConfig, eos):
     """The target's own greedy replies (lossless speculative decoding with prompt lookup)
     and the features of every position, in one pass."""
     from ..engine import generate
-    from ..drafters.ngram import NgramDrafter
 
-    rec = _Recorder(NgramDrafter(), fids)
+    # No speculation: a batch of requests on a CPU is compute-bound, where every drafted
+    # token costs as much as a decoded one.
+    rec = _Recorder(_NoDraft(), fids)
     max_new = max(1, min(cfg.regen_max_new_tokens, cfg.max_length - max(len(p) for p in prompts)))
-    out = generate(model, rec, "chain-3", prompts, max_new_tokens=max_new, eos_token_id=eos,
+    out = generate(model, rec, "chain-1", prompts, max_new_tokens=max_new, eos_token_id=eos,
                    attention_backend="torch")
     feats = rec.sessions[-1]
     records = []

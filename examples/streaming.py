@@ -1,0 +1,24 @@
+"""Streaming: print text as each step commits it (several tokens per step when the draft is
+right). Sampling at temperature 0.7 with a seed is reproducible and lossless.
+
+    python examples/streaming.py
+"""
+
+import sys
+
+import treespec
+from treespec.models import load
+
+model, tok = load("smollm2-135m-instruct")
+draft = treespec.load_draft("smollm2-135m-instruct-eagle", model)
+ids = tok.apply_chat_template([{"role": "user", "content": "Give three tips for learning to cook."}],
+                              add_generation_prompt=True)
+generated, shown = [], ""
+for step in treespec.stream(model, draft, "cpu", ids, max_new_tokens=128, temperature=0.7, seed=0):
+    generated += step.tokens[0]
+    text = tok.decode(generated, skip_special_tokens=True)
+    sys.stdout.write(text[len(shown):])
+    sys.stdout.flush()
+    shown = text
+m = step.metrics
+print(f"\n[{m.num_generated} tokens, {m.num_steps} steps, mean accepted length {m.mean_accepted_length:.2f}]")

@@ -1,0 +1,332 @@
+"""The ``treespec`` command line: argument handling, one-line errors, and short end-to-end
+runs of ``generate``, ``bench`` and ``tree show`` on stories260K (260K parameters, loads in
+well under a second; needs the project's shared/ folder)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from treespec import cli, models
+from treespec.assets import DRAFTS
+
+from tiny import tiny_model
+
+PNG = b"\x89PNG\r\n\x1a\n"
+SHIPPED = "smollm2-135m-instruct-eagle"
+
+needs_stories = pytest.mark.skipif(
+    models.shared_dir() is None, reason="stories260K needs the project's shared/ folder (shared/models)"
+)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def run(capsys, *argv):
+    rc = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def error_line(err: str) -> str:
+    """The single ``treespec: error:`` line of a failed command (progress bars aside)."""
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1, f"expected one error line, got {lines}"
+    assert lines[0].startswith("treespec: error: "), lines[0]
+    assert "Traceback" not in err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def stories():
+    if models.shared_dir() is None:
+        pytest.skip("stories260K needs the project's shared/ folder (shared/models)")
+    return models.load("stories260k")
+
+
+def greedy_text(model, tok, prompt: str, n: int) -> str:
+    ids = torch.tensor([tok(prompt)["input_ids"]])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
+    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+# ---- argument handling ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sub", [[], ["generate"], ["bench"], ["tree"], ["tree", "show"], ["train-eagle"]])
+def test_help_exits_zero(capsys, sub):
+    rc, out, _ = run(capsys, *sub, "--help")
+    assert rc == 0
+    assert "usage: treespec" in out
+
+
+def test_unknown_preset_names_it_and_lists_known(capsys):
+    rc, _, err = run(capsys, "generate", "--tree", "bushy-9")
+    assert rc == 2
+    line = error_line(err)
+    assert "'bushy-9'" in line
+    for known in ("chain-3", "cpu", "cpu-tiny", "eagle1", "medusa-63"):
+        assert known in line
+
+
+def test_missing_tree_file(capsys, tmp_path):
+    rc, _, err = run(capsys, "tree", "show", str(tmp_path / "nope.json"), "--out", str(tmp_path / "x.png"))
+    assert rc == 2
+    assert "no tree file" in error_line(err)
+    assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.parametrize("text, expect", [
+    ("{[", "not valid JSON"),
+    ('{"a": 1}', "list of child-rank paths"),
+    ("[[0], [1, 1]]", "prefix [1] is missing"),  # a rank-1 child of a node that is not there
+    ('[[0], ["x"]]', "list of child-rank paths"),
+])
+def test_bad_tree_json(capsys, tmp_path, text, expect):
+    f = tmp_path / "t.json"
+    f.write_text(text)
+    rc, _, err = run(capsys, "tree", "show", str(f), "--out", str(tmp_path / "x.png"))
+    assert rc == 2
+    assert expect in error_line(err)
+
+
+@pytest.mark.parametrize("flags, expect", [
+    (["--temperature", "-1"], "temperature"),
+    (["--temperature", "1", "--top-p", "1.5"], "top_p"),
+    (["--top-k", "5"], "top_k"),  # top-k without sampling would be silently ignored
+    (["--temperature", "abc"], "--temperature"),  # argparse's own error, also one line
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
+])
+def test_bad_sampling_values(capsys, flags, expect):
+    for sub in ("generate", "bench"):
+        rc, _, err = run(capsys, sub, *flags)
+        assert rc == 2
+        assert expect in error_line(err)
+
+
+def test_missing_shipped_head_says_use_ngram(capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(DRAFTS, SHIPPED, (tmp_path / "absent", "not there"))
+    rc, _, err = run(capsys, "generate")
+    assert rc == 2
+    line = error_line(err)
+    assert SHIPPED in line and "--draft ngram" in line
+
+
+def test_missing_head_directory(capsys, tmp_path):
+    rc, _, err = run(capsys, "generate", "--draft", str(tmp_path / "nohead"))
+    assert rc == 2
+    assert "no draft head" in error_line(err)
+
+
+@pytest.mark.parametrize("flags, expect", [
+    (["--draft", "ngram", "--dataset", "squad"], "unknown dataset 'squad'"),
+    (["--draft", "ngram", "--dataset", "missing.jsonl"], "no dataset file"),
+    (["--config", "ngram"], "DRAFT@TREE"),
+    (["--config", "ngram@cpu", "--draft", "ngram"], "--config"),
+    (["--config", "ngram@nope"], "unknown tree preset 'nope'"),
+])
+def test_bench_user_errors(capsys, flags, expect):
+    rc, _, err = run(capsys, "bench", "--model", "stories260k", *flags)
+    assert rc == 2
+    assert expect in error_line(err)
+
+
+def test_bench_missing_shared_data(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("TREESPEC_SHARED", str(tmp_path))  # a shared/ without data/
+    rc, _, err = run(capsys, "bench", "--dataset", "gsm8k", "--draft", "ngram")
+    assert rc == 2
+    assert "shared/data/gsm8k_test.jsonl" in error_line(err)
+
+
+def test_text_stream_waits_for_whole_characters(stories):
+    """Byte-fallback tokens of one character arrive one by one: nothing half-decoded is written."""
+    import io
+
+    _, tok = stories
+    ids = tok("Zoë 🐶 ok", add_special_tokens=False)["input_ids"]
+    buf = io.StringIO()
+    s = cli._TextStream(tok, buf)
+    for t in ids:
+        s.push([t])
+        assert "\ufffd" not in buf.getvalue()
+    s.push([], final=True)
+    assert buf.getvalue() == tok.decode(ids, skip_special_tokens=True)
+    assert len(ids) > len("Zoë 🐶 ok".split())  # the test really crossed token boundaries
+
+
+# ---- generate ---------------------------------------------------------------------------
+
+
+@needs_stories
+def test_generate_ngram_streams_the_greedy_continuation(capsys, stories):
+    rc, out, err = run(capsys, "generate", "--model", "stories260k", "--draft", "ngram",
+                       "--prompt", "Once upon a time", "--max-new-tokens", "16")
+    assert rc == 0
+    expected = greedy_text(*stories, "Once upon a time", 16)
+    assert len(expected) > 10
+    assert out.startswith(expected)
+    summary = [ln for ln in err.splitlines() if "tokens/s" in ln]
+    assert len(summary) == 1
+    assert "16 tokens" in summary[0] and "mean accepted length" in summary[0] and "steps" in summary[0]
+
+
+@needs_stories
+def test_generate_with_head_directory_and_model_draft(capsys, stories, tmp_path):
+    """A (random) EAGLE-3 head directory and an independent draft model: still the greedy text."""
+    from treespec.drafters import EagleHead
+
+    model, _ = stories
+    torch.manual_seed(0)
+    EagleHead.for_target(model, eagle3=True).save_pretrained(tmp_path / "head")
+    expected = greedy_text(*stories, "Once upon a time", 12)
+    for draft in (str(tmp_path / "head"), "model:stories260k"):
+        rc, out, err = run(capsys, "generate", "--model", "stories260k", "--draft", draft, "--tree", "cpu-tiny",
+                           "--prompt", "Once upon a time", "--max-new-tokens", "12")
+        assert rc == 0, err
+        assert out.startswith(expected)
+
+
+@needs_stories
+def test_generate_vocabulary_mismatch(capsys, tmp_path):
+    from treespec.drafters import EagleHead
+
+    EagleHead.for_target(tiny_model(vocab=64), eagle3=True).save_pretrained(tmp_path / "head64")
+    rc, _, err = run(capsys, "generate", "--model", "stories260k", "--draft", str(tmp_path / "head64"),
+                     "--prompt", "Hi")
+    assert rc == 2
+    assert "vocabulary mismatch" in error_line(err)
+
+
+@needs_stories
+def test_generate_chat_needs_a_template(capsys):
+    rc, _, err = run(capsys, "generate", "--model", "stories260k", "--draft", "ngram", "--chat", "Hi")
+    assert rc == 2
+    assert "no chat template" in error_line(err)
+
+
+# ---- bench ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tiny_dataset(tmp_path):
+    f = tmp_path / "stories.jsonl"
+    f.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["Once upon a time", "Tom and Lily and Tom"]))
+    return f
+
+
+@needs_stories
+def test_bench_greedy_json_and_plots(capsys, tmp_path, tiny_dataset):
+    out = tmp_path / "r.json"
+    rc, stdout, err = run(
+        capsys, "bench", "--model", "stories260k", "--dataset", str(tiny_dataset), "--prompt-field", "text",
+        "--num-prompts", "2", "--max-new-tokens", "8", "--draft", "ngram", "--tree", "cpu",
+        "--out", str(out), "--plot-dir", str(tmp_path / "plots"),
+    )
+    assert rc == 0, err
+    data = json.loads(out.read_text())
+    for key in ("command", "machine", "settings", "configs", "prompts", "mismatches", "notes"):
+        assert key in data
+    assert data["machine"]["cpu_count"] >= 1 and data["machine"]["torch"] == torch.__version__
+    assert data["command"].startswith("treespec bench --model stories260k")
+    names = [c["name"] for c in data["configs"]]
+    assert names == ["hf-generate", "hf-prompt-lookup-3", "ngram/chain-3", "ngram/cpu"]
+    assert data["mismatches"] == 0
+    assert all(c["mismatches"] == 0 for c in data["configs"])
+    base = data["configs"][0]
+    assert base["speedup"] == pytest.approx(1.0) and base["total_tokens"] == 16
+    for c in data["configs"][2:]:
+        assert c["total_tokens"] == 16 and c["tokens_per_second"] > 0
+        assert 1.0 <= c["mean_accepted_length"] <= 1 + c["tree_tokens_per_verify"]
+        rates = c["acceptance_rate_by_position"]
+        assert len(rates) >= 1 and all(a >= b for a, b in zip(rates, rates[1:]))  # never grows with depth
+        assert set(c["time_split"]) == {"prefill", "draft", "verify"}
+    assert len(data["prompts"]) == 2
+    assert data["prompts"][1]["results"]["ngram/cpu"]["matches_hf_generate"] is True
+    for name in ("acceptance_by_position.png", "tokens_per_second.png"):
+        assert (tmp_path / "plots" / name).read_bytes()[:8] == PNG
+    assert "ngram/cpu" in stdout and "speedup" in stdout  # the table
+
+
+@needs_stories
+def test_bench_mismatch_exits_nonzero(capsys, monkeypatch, tiny_dataset):
+    import treespec.bench as bench
+
+    real = bench.ts_generate
+
+    def off_by_one(*a, **kw):
+        out = real(*a, **kw)
+        out.sequences[0][-1] = (out.sequences[0][-1] + 1) % 512
+        return out
+
+    monkeypatch.setattr(bench, "ts_generate", off_by_one)
+    rc, _, err = run(capsys, "bench", "--model", "stories260k", "--dataset", str(tiny_dataset), "--prompt-field",
+                     "text", "--num-prompts", "2", "--max-new-tokens", "4", "--config", "ngram@chain-2",
+                     "--no-warmup", "--no-hf-lookup")
+    assert rc == 1
+    assert "differs from HF generate" in err and "first prompt 0" in err
+
+
+@needs_stories
+def test_bench_sampling_skips_prompt_lookup(capsys, tmp_path, tiny_dataset):
+    out = tmp_path / "s.json"
+    rc, stdout, err = run(capsys, "bench", "--model", "stories260k", "--dataset", str(tiny_dataset),
+                          "--prompt-field", "text", "--num-prompts", "1", "--max-new-tokens", "4",
+                          "--config", "ngram@cpu-tiny", "--temperature", "0.7", "--no-warmup", "--out", str(out))
+    assert rc == 0, err
+    data = json.loads(out.read_text())
+    lookup = next(c for c in data["configs"] if c["kind"] == "hf-prompt-lookup")
+    assert "skipped" in lookup
+    assert any("skipped" in n for n in data["notes"]) and "skipped" in stdout
+
+
+# ---- tree show --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset", ["cpu", "eagle1"])
+def test_tree_show_preset(capsys, tmp_path, preset):
+    png = tmp_path / "x.png"
+    rc, out, err = run(capsys, "tree", "show", preset, "--out", str(png))
+    assert rc == 0, err
+    assert png.read_bytes()[:8] == PNG
+    assert "drafted nodes" in out
+
+
+def test_tree_show_json_file(capsys, tmp_path):
+    f = tmp_path / "mine.json"
+    f.write_text("[[0], [1], [0, 0]]")
+    rc, out, _ = run(capsys, "tree", "show", str(f), "--out", str(tmp_path / "m.png"))
+    assert rc == 0
+    assert "3 drafted nodes, depth 2" in out
+
+
+@needs_stories
+def test_tree_show_prompt_ngram(capsys, tmp_path):
+    png = tmp_path / "e.png"
+    # The target's first token (" b") continues an earlier "a big": ngram has a run to propose.
+    rc, out, err = run(capsys, "tree", "show", "eagle1", "--prompt", "She saw a big red ball. She saw a big",
+                       "--model", "stories260k", "--draft", "ngram", "--out", str(png))
+    assert rc == 0, err
+    assert png.read_bytes()[:8] == PNG
+    drafted = int(re.search(r"\((\d+) drafted nodes", out).group(1))
+    assert 1 <= drafted <= 25
+
+
+@needs_stories
+def test_tree_show_prompt_highlights_the_accepted_path(capsys, tmp_path):
+    """An identical copy of the target as the draft: its top-1 branch is the target's greedy
+    continuation, so the whole depth of the tree is accepted."""
+    png = tmp_path / "c.png"
+    rc, out, err = run(capsys, "tree", "show", "cpu", "--prompt", "Once upon a time", "--model", "stories260k",
+                       "--draft", "model:stories260k", "--out", str(png))
+    assert rc == 0, err
+    assert png.read_bytes()[:8] == PNG
+    assert "16 drafted nodes, 5 accepted" in out

@@ -1,0 +1,583 @@
+"""Side-by-side benchmark: transformers' ``generate``, its prompt lookup, and treespec.
+
+    prompts = load_prompts("gsm8k", tokenizer, num_prompts=50)
+    result = run_bench(model, prompts, configs, max_new_tokens=256)
+    print(format_table(result))
+
+Every configuration runs on prompt i before any runs on prompt i+1, so drift in machine
+load (another job, thermal throttling) spreads over all of them alike. Times are wall
+seconds around one ``generate`` call, prompt tokenisation excluded. Under greedy decoding
+every output is checked token for token against ``model.generate``'s.
+
+Figures, per configuration:
+    tokens_per_second         total generated tokens / total wall seconds
+    median_tokens_per_second  median over prompts of that prompt's tokens / seconds
+    speedup                   tokens_per_second / the HF generate baseline's
+    median_speedup            median over prompts of the per-prompt ratio
+    mean_accepted_length      tokens committed per verify forward, bonus included (tau)
+    acceptance_rate_by_position[d-1]  share of verify steps that accepted >= d drafts
+
+This module never prints: progress goes to ``callback``, details to ``logging``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from .config import TreeConfig
+from .drafters.base import Drafter
+from .engine import generate as ts_generate
+from .sampling import SamplingParams
+
+__all__ = [
+    "BenchConfig", "BenchResult", "ConfigResult", "Progress", "DATASETS", "dataset_file", "load_prompts",
+    "encode_prompt",
+    "run_bench", "format_table", "to_json", "save_plots", "machine_info",
+]
+
+log = logging.getLogger(__name__)
+
+HF_GENERATE = "hf-generate"
+HF_LOOKUP = "hf-prompt-lookup"
+TREESPEC = "treespec"
+
+#: built-in datasets: name -> (file under shared/data, prompt field, chat instruction)
+DATASETS = {
+    "gsm8k": ("gsm8k_test.jsonl", "question", "{text}"),
+    "humaneval": (
+        "HumanEval.jsonl.gz", "prompt",
+        "Complete the following Python function. Reply with the whole function in one "
+        "Python code block.\n\n```python\n{text}```",
+    ),
+}
+
+
+# ---- configurations ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One way to generate.
+
+    kind:   ``"hf-generate"`` (the baseline; always runs first), ``"hf-prompt-lookup"``
+            (assisted generation with ``prompt_lookup_num_tokens=lookup_tokens``, greedy
+            only) or ``"treespec"`` (``drafter`` with ``tree``).
+    """
+
+    name: str
+    kind: str
+    drafter: Drafter | None = None
+    tree: TreeConfig | None = None
+    lookup_tokens: int = 3
+    draft_name: str | None = None
+    tree_name: str | None = None
+
+    def __post_init__(self):
+        if self.kind not in (HF_GENERATE, HF_LOOKUP, TREESPEC):
+            raise ValueError(f"unknown configuration kind {self.kind!r}")
+        if self.kind == TREESPEC and (self.drafter is None or self.tree is None):
+            raise ValueError(f"treespec configuration {self.name!r} needs a drafter and a tree")
+        if self.kind == HF_LOOKUP and self.lookup_tokens < 1:
+            raise ValueError(f"prompt lookup needs lookup_tokens >= 1, got {self.lookup_tokens}")
+
+    @classmethod
+    def hf_generate(cls) -> "BenchConfig":
+        return cls(HF_GENERATE, HF_GENERATE)
+
+    @classmethod
+    def hf_lookup(cls, k: int = 3) -> "BenchConfig":
+        return cls(f"{HF_LOOKUP}-{k}", HF_LOOKUP, lookup_tokens=k)
+
+    @classmethod
+    def treespec(cls, drafter: Drafter, tree: TreeConfig, draft_name: str, tree_name: str) -> "BenchConfig":
+        return cls(f"{draft_name}/{tree_name}", TREESPEC, drafter, tree,
+                   draft_name=draft_name, tree_name=tree_name)
+
+    def describe(self) -> dict:
+        d = {"name": self.name, "kind": self.kind}
+        if self.kind == HF_LOOKUP:
+            d["prompt_lookup_num_tokens"] = self.lookup_tokens
+        if self.kind == TREESPEC:
+            d.update(draft=self.draft_name, drafter=repr(self.drafter), tree=self.tree_name,
+                     tree_config=self.tree.describe(), tree_tokens_per_verify=self.tree.max_tree_tokens)
+        return d
+
+
+# ---- prompts ----------------------------------------------------------------------------
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    rows = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} line {n} is not JSON: {e}") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path} line {n} is not a JSON object")
+            rows.append(row)
+    return rows
+
+
+def dataset_file(dataset: str) -> tuple[Path, str, str]:
+    """``(file, default prompt field, chat instruction)`` of a dataset name or path."""
+    if dataset in DATASETS:
+        from .models import shared_dir
+
+        fname, fld, instruction = DATASETS[dataset]
+        shared = shared_dir()
+        path = shared / "data" / fname if shared else None
+        if path is None or not path.is_file():
+            raise FileNotFoundError(
+                f"the {dataset} dataset needs the project's shared/ folder (shared/data/{fname}); "
+                f"set TREESPEC_SHARED to the folder holding data/{fname}, or give a .jsonl file"
+            )
+        return path, fld, instruction
+    path = Path(dataset).expanduser()
+    if path.suffix in (".jsonl", ".gz") or path.exists():
+        if not path.is_file():
+            raise FileNotFoundError(f"no dataset file at {dataset}")
+        return path, "prompt", "{text}"
+    raise ValueError(f"unknown dataset {dataset!r}: use {', '.join(DATASETS)} or a .jsonl file")
+
+
+def load_prompts(dataset: str, tokenizer, num_prompts: int | None = None, *, prompt_field: str | None = None,
+                 raw: bool = False) -> tuple[list[list[int]], str]:
+    """The first ``num_prompts`` prompts of ``dataset`` as token ids, and their format.
+
+    ``dataset`` is ``"gsm8k"`` (shared/data/gsm8k_test.jsonl, field ``question``),
+    ``"humaneval"`` (shared/data/HumanEval.jsonl.gz, field ``prompt``, asked as a chat
+    message to complete the function) or a JSONL file (field ``prompt_field``, default
+    ``prompt``). Prompts go through the tokenizer's chat template as one user message,
+    unless ``raw`` or the tokenizer has none (then the text is used as is, format
+    ``"raw"``; a warning is logged for the latter).
+    """
+    if num_prompts is not None and num_prompts < 1:
+        raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
+    path, default_field, instruction = dataset_file(dataset)
+    fld = prompt_field or default_field
+    rows = _read_jsonl(path)
+    if num_prompts is not None:
+        rows = rows[:num_prompts]
+    if not rows:
+        raise ValueError(f"{path} holds no prompts")
+    texts = []
+    for n, row in enumerate(rows):
+        text = row.get(fld)
+        if not isinstance(text, str):
+            raise ValueError(f"{path} record {n} has no string field {fld!r} (fields: {', '.join(row)}); "
+                             f"choose one with --prompt-field")
+        texts.append(text)
+    chat = not raw and bool(getattr(tokenizer, "chat_template", None))
+    if not raw and not chat:
+        log.warning("the tokenizer has no chat template: using the %s prompts as plain text", dataset)
+    out = [encode_prompt(tokenizer, instruction.format(text=t) if chat else t, chat) for t in texts]
+    return out, "chat" if chat else "raw"
+
+
+def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
+    """Token ids of ``text``: as one user chat message with the generation prompt, or as
+    plain text (the tokenizer's special tokens, e.g. BOS, added)."""
+    if chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(text)["input_ids"])
+
+
+# ---- running ----------------------------------------------------------------------------
+
+
+@dataclass
+class Progress:
+    """``stage`` is ``"warmup"`` or ``"prompts"``; ``done`` of ``total`` finished."""
+
+    stage: str
+    done: int
+    total: int
+    config: str | None = None
+
+
+@dataclass
+class RunRecord:
+    """One configuration on one prompt."""
+
+    tokens: list[int]
+    seconds: float
+    metrics: dict | None = None  # SpecMetrics.summary() plus steps/accepted, treespec only
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class ConfigResult:
+    config: BenchConfig
+    runs: list[RunRecord] = field(default_factory=list)
+    mismatches: list[int] = field(default_factory=list)  # prompt indices, greedy only
+    first_diff: dict[int, int] = field(default_factory=dict)  # prompt -> first differing token
+    skipped: str | None = None
+
+
+@dataclass
+class BenchResult:
+    prompt_lengths: list[int]
+    results: list[ConfigResult]
+    sampling: SamplingParams
+    max_new_tokens: int
+    seed: int | None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def baseline(self) -> ConfigResult:
+        return self.results[0]
+
+    @property
+    def treespec_mismatches(self) -> int:
+        """Prompts on which a treespec configuration's greedy output differs from HF's."""
+        return sum(len(r.mismatches) for r in self.results if r.config.kind == TREESPEC)
+
+
+def _generation_config(model, max_new_tokens: int, sp: SamplingParams, lookup: int | None):
+    """A GenerationConfig holding exactly our settings: the model's own generation config may
+    carry sampling defaults (top_k=50, ...) that would silently change the baseline."""
+    from transformers import GenerationConfig
+
+    mg = model.generation_config
+    eos = mg.eos_token_id
+    pad = mg.pad_token_id if mg.pad_token_id is not None else (eos[0] if isinstance(eos, list) else eos)
+    kw = dict(max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad if pad is not None else 0,
+              bos_token_id=mg.bos_token_id, do_sample=not sp.greedy)
+    if not sp.greedy:
+        kw.update(temperature=float(sp.temperature), top_k=sp.top_k or 0, top_p=sp.top_p if sp.top_p is not None else 1.0,
+                  min_p=sp.min_p)
+    if lookup is not None:
+        kw["prompt_lookup_num_tokens"] = lookup
+    return GenerationConfig(**kw)
+
+
+def _run_one(model, cfg: BenchConfig, prompt: list[int], max_new_tokens: int, sp: SamplingParams,
+             seed: int | None, backend: str) -> RunRecord:
+    if cfg.kind == TREESPEC:
+        t0 = time.perf_counter()
+        out = ts_generate(
+            model, cfg.drafter, cfg.tree, prompt, max_new_tokens=max_new_tokens,
+            temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p,
+            seed=seed, attention_backend=backend,
+        )
+        seconds = time.perf_counter() - t0
+        m = out.metrics
+        summary = m.summary()
+        summary["accepted"] = list(m.requests[0].accepted)
+        summary["acceptance_counts"] = list(m.acceptance_counts)
+        summary["num_request_steps"] = m.num_request_steps
+        summary["tree_tokens"] = m.tree_tokens
+        return RunRecord(list(out.sequences[0]), seconds, summary)
+
+    gc = _generation_config(model, max_new_tokens, sp, cfg.lookup_tokens if cfg.kind == HF_LOOKUP else None)
+    ids = torch.tensor([prompt], device=model.device)  # [1, L]
+    if seed is not None:
+        torch.manual_seed(seed)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc)
+    seconds = time.perf_counter() - t0
+    return RunRecord(out[0, ids.shape[1]:].tolist(), seconds)
+
+
+def run_bench(
+    model,
+    prompts: Sequence[Sequence[int]],
+    configs: Sequence[BenchConfig],
+    *,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    seed: int | None = 0,
+    warmup: bool = True,
+    attention_backend: str = "auto",
+    callback: Callable[[Progress], None] | None = None,
+) -> BenchResult:
+    """Run every configuration on every prompt (configurations inner, prompts outer).
+
+    Args:
+        model:    the target, a transformers causal LM.
+        prompts:  token ids per prompt.
+        configs:  the configurations; an HF generate baseline is put first if missing.
+                  Prompt lookup is skipped (with a note) when sampling.
+        seed:     prompt i is sampled with seed ``seed + i`` in every configuration.
+        warmup:   one untimed generate per configuration on a short prompt first (first
+                  calls run several times slower: allocations, kernel selection).
+    """
+    sp = SamplingParams(temperature, top_k, top_p, min_p)
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if not prompts:
+        raise ValueError("run_bench needs at least one prompt")
+    configs = list(configs)
+    base = [c for c in configs if c.kind == HF_GENERATE]
+    configs = base[:1] + [c for c in configs if c.kind != HF_GENERATE] if base else [BenchConfig.hf_generate(), *configs]
+    names = [c.name for c in configs]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"configuration names must be unique, repeated: {', '.join(dup)}")
+
+    notes = []
+    results = [ConfigResult(c) for c in configs]
+    if not sp.greedy:
+        for r in results:
+            if r.config.kind == HF_LOOKUP:
+                r.skipped = "prompt lookup is benchmarked greedy only"
+                notes.append(f"{r.config.name} skipped: {r.skipped}")
+        notes.append("sampling: outputs are not compared token for token (same distribution, different draws)")
+    active = [r for r in results if r.skipped is None]
+    for r in results:
+        if r.config.kind == TREESPEC:
+            r.config.drafter.check_compatible(model)
+
+    if warmup:
+        short = list(prompts[0][:16])
+        for i, r in enumerate(active):
+            _run_one(model, r.config, short, min(16, max_new_tokens), sp, seed, attention_backend)
+            if callback:
+                callback(Progress("warmup", i + 1, len(active), r.config.name))
+
+    for i, prompt in enumerate(prompts):
+        s = None if seed is None else seed + i
+        for r in active:
+            if callback:
+                callback(Progress("prompts", i, len(prompts), r.config.name))
+            rec = _run_one(model, r.config, list(prompt), max_new_tokens, sp, s, attention_backend)
+            r.runs.append(rec)
+            log.info("prompt %d %s: %d tokens, %.1f tokens/s", i, r.config.name, len(rec.tokens), rec.tokens_per_second)
+            if sp.greedy and r is not results[0]:
+                ref = results[0].runs[i].tokens
+                if rec.tokens != ref:
+                    r.mismatches.append(i)
+                    r.first_diff[i] = next(
+                        (j for j, (a, b) in enumerate(zip(rec.tokens, ref)) if a != b), min(len(rec.tokens), len(ref))
+                    )
+                    log.warning("%s differs from HF generate on prompt %d at token %d",
+                                r.config.name, i, r.first_diff[i])
+        if callback:
+            callback(Progress("prompts", i + 1, len(prompts), None))
+    return BenchResult([len(p) for p in prompts], results, sp, max_new_tokens, seed, notes)
+
+
+# ---- figures ----------------------------------------------------------------------------
+
+
+def _config_figures(r: ConfigResult, base: ConfigResult) -> dict:
+    d = r.config.describe()
+    if r.skipped:
+        d["skipped"] = r.skipped
+        return d
+    tokens = sum(len(x.tokens) for x in r.runs)
+    seconds = sum(x.seconds for x in r.runs)
+    btokens = sum(len(x.tokens) for x in base.runs)
+    bseconds = sum(x.seconds for x in base.runs)
+    tps = tokens / seconds if seconds > 0 else 0.0
+    btps = btokens / bseconds if bseconds > 0 else 0.0
+    ratios = [x.tokens_per_second / b.tokens_per_second for x, b in zip(r.runs, base.runs) if b.tokens_per_second > 0]
+    d.update(
+        num_prompts=len(r.runs), total_tokens=tokens, total_seconds=seconds, tokens_per_second=tps,
+        median_tokens_per_second=statistics.median(x.tokens_per_second for x in r.runs),
+        speedup=tps / btps if btps > 0 else None,
+        median_speedup=statistics.median(ratios) if ratios else None,
+        mismatches=len(r.mismatches), first_mismatch=r.mismatches[0] if r.mismatches else None,
+        mean_accepted_length=None, acceptance_rate_by_position=None,
+    )
+    if r.config.kind == TREESPEC:
+        ms = [x.metrics for x in r.runs]
+        acc = [a for m in ms for a in m["accepted"]]
+        steps = sum(m["num_request_steps"] for m in ms)
+        depth = max((len(m["acceptance_counts"]) for m in ms), default=0)
+        counts = [sum(m["acceptance_counts"][j] for m in ms if j < len(m["acceptance_counts"])) for j in range(depth)]
+        # Positions the tree could draft but never got accepted are real zeros, not gaps.
+        depth = max(depth, r.config.tree.depth)
+        counts += [0] * (depth - len(counts))
+        split = {k: sum(m[k] for m in ms) for k in ("prefill_seconds", "draft_seconds", "verify_seconds")}
+        engine_total = sum(m["total_seconds"] for m in ms)
+        d.update(
+            mean_accepted_length=(sum(acc) + len(acc)) / max(len(acc), 1),
+            acceptance_rate_by_position=[c / max(steps, 1) for c in counts],
+            num_steps=sum(m["num_steps"] for m in ms),
+            tree_tokens=sum(m["tree_tokens"] for m in ms),
+            **split,
+            other_seconds=max(engine_total - sum(split.values()), 0.0),
+            time_split={k.replace("_seconds", ""): v / engine_total if engine_total > 0 else 0.0
+                        for k, v in split.items()},
+        )
+    return d
+
+
+def _prompt_figures(res: BenchResult) -> list[dict]:
+    base = res.baseline
+    out = []
+    for i, n in enumerate(res.prompt_lengths):
+        per = {}
+        for r in res.results:
+            if r.skipped:
+                continue
+            x = r.runs[i]
+            b = base.runs[i]
+            e = dict(new_tokens=len(x.tokens), seconds=x.seconds, tokens_per_second=x.tokens_per_second,
+                     speedup=x.tokens_per_second / b.tokens_per_second if b.tokens_per_second > 0 else None)
+            if res.sampling.greedy and r is not base:
+                e["matches_hf_generate"] = i not in r.mismatches
+                if i in r.first_diff:
+                    e["first_differing_token"] = r.first_diff[i]
+            if x.metrics is not None:
+                e.update(num_steps=x.metrics["num_steps"], mean_accepted_length=x.metrics["mean_accepted_length"],
+                         draft_seconds=x.metrics["draft_seconds"], verify_seconds=x.metrics["verify_seconds"],
+                         prefill_seconds=x.metrics["prefill_seconds"])
+            per[r.config.name] = e
+        out.append({"index": i, "prompt_tokens": n, "results": per})
+    return out
+
+
+def machine_info() -> dict:
+    import transformers
+
+    from . import __version__
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {
+        "platform": platform.platform(), "machine": platform.machine(), "cpu": cpu,
+        "cpu_count": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(), "transformers": transformers.__version__,
+        "treespec": __version__, "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def to_json(res: BenchResult, **extra) -> dict:
+    """Everything as plain JSON types: ``machine``, ``settings``, ``configs``, ``prompts``,
+    ``mismatches`` (treespec prompts differing from HF generate), ``notes``; ``extra``
+    keys (e.g. ``command``, ``model``, ``dataset``) are merged at the top level."""
+    base = res.baseline
+    sp = res.sampling
+    return {
+        **extra,
+        "machine": machine_info(),
+        "settings": {"max_new_tokens": res.max_new_tokens, "temperature": sp.temperature, "top_k": sp.top_k,
+                     "top_p": sp.top_p, "min_p": sp.min_p, "seed": res.seed, "num_prompts": len(res.prompt_lengths)},
+        "configs": [_config_figures(r, base) for r in res.results],
+        "prompts": _prompt_figures(res),
+        "mismatches": res.treespec_mismatches,
+        "notes": list(res.notes),
+    }
+
+
+def _fmt(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def format_table(data: dict, max_positions: int = 5) -> str:
+    """An aligned plain-text table of ``to_json``'s ``configs``."""
+    head = ["config", "tok/s", "med tok/s", "speedup", "med speedup", "tau", "accept by position", "draft",
+            "verify", "mismatch"]
+    greedy = data["settings"]["temperature"] == 0
+    rows, skipped = [], []
+    for c in data["configs"]:
+        if c.get("skipped"):
+            skipped.append(f"{c['name']} skipped: {c['skipped']}")
+            continue
+        acc = c.get("acceptance_rate_by_position")
+        split = c.get("time_split")
+        if not greedy or c["kind"] == HF_GENERATE:
+            mm = "-"
+        else:
+            mm = f"{c['mismatches']} (first: prompt {c['first_mismatch']})" if c["mismatches"] else "0"
+        rows.append([
+            c["name"], _fmt(c["tokens_per_second"], ".1f"), _fmt(c["median_tokens_per_second"], ".1f"),
+            _fmt(c["speedup"], ".2f") + ("x" if c["speedup"] is not None else ""),
+            _fmt(c["median_speedup"], ".2f") + ("x" if c["median_speedup"] is not None else ""),
+            _fmt(c["mean_accepted_length"], ".2f"),
+            "-" if acc is None else " ".join(f"{a:.2f}" for a in acc[:max_positions])
+            + (" ..." if len(acc) > max_positions else ""),
+            f"{100 * split['draft']:.0f}%" if split else "-",
+            f"{100 * split['verify']:.0f}%" if split else "-",
+            mm,
+        ])
+    widths = [max(len(r[j]) for r in [head] + rows) for j in range(len(head))]
+    left = {0, 6}  # names and the position list read left to right; numbers align right
+
+    def line(r):
+        return "  ".join(f"{v:<{w}}" if j in left else f"{v:>{w}}" for j, (v, w) in enumerate(zip(r, widths))).rstrip()
+
+    lines = [line(head), "-" * (sum(widths) + 2 * (len(widths) - 1))] + [line(r) for r in rows]
+    return "\n".join(lines + skipped)
+
+
+def save_plots(data: dict, out_dir, prefix: str = "") -> list[Path]:
+    """Two PNGs from ``to_json``'s output: acceptance rate by draft position per treespec
+    configuration (``acceptance_by_position.png``) and tokens/s per configuration as bars
+    (``tokens_per_second.png``). Returns the paths written."""
+    from matplotlib.figure import Figure
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    configs = [c for c in data["configs"] if not c.get("skipped")]
+    title = f"{data.get('model', '')} {data.get('dataset', '')}, {data['settings']['num_prompts']} prompts, " \
+            f"{data['settings']['max_new_tokens']} new tokens".strip()
+    paths = []
+
+    fig = Figure(figsize=(6.4, 4.0))
+    ax = fig.add_subplot()
+    spec = [c for c in configs if c.get("acceptance_rate_by_position")]
+    for c in spec:
+        acc = c["acceptance_rate_by_position"]
+        ax.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{c['name']} (tau {c['mean_accepted_length']:.2f})")
+    ax.set_xlabel("draft position d")
+    ax.set_ylabel("share of steps accepting >= d drafts")
+    ax.set_ylim(0, 1.02)
+    ax.set_title("acceptance rate by draft position\n" + title, fontsize=9)
+    if spec:
+        ax.legend(fontsize=7)
+        ax.set_xticks(range(1, max(len(c["acceptance_rate_by_position"]) for c in spec) + 1))
+    ax.grid(alpha=0.3)
+    fig.set_layout_engine("tight")
+    paths.append(out_dir / f"{prefix}acceptance_by_position.png")
+    fig.savefig(paths[-1], format="png", dpi=100)
+
+    fig = Figure(figsize=(max(6.4, 0.9 * len(configs) + 2), 4.0))
+    ax = fig.add_subplot()
+    names = [c["name"] for c in configs]
+    tps = [c["tokens_per_second"] for c in configs]
+    colors = ["#9aaabb" if c["kind"] != TREESPEC else "#4a6d8c" for c in configs]
+    bars = ax.bar(range(len(names)), tps, color=colors)
+    for b, c in zip(bars, configs):
+        if c.get("speedup") is not None:
+            ax.annotate(f"{c['speedup']:.2f}x", (b.get_x() + b.get_width() / 2, b.get_height()),
+                        ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("tokens/s (total tokens / total seconds)")
+    ax.set_title("throughput, speedup over HF generate\n" + title, fontsize=9)
+    ax.grid(axis="y", alpha=0.3)
+    fig.set_layout_engine("tight")
+    paths.append(out_dir / f"{prefix}tokens_per_second.png")
+    fig.savefig(paths[-1], format="png", dpi=100)
+    return paths
