@@ -99,6 +99,10 @@ def _check_draft_spec(spec: str) -> None:
     """Fail before loading any model when a draft head is missing."""
     from .assets import DRAFTS, resolve_draft
 
+    if spec.startswith("layers:"):
+        if not spec[len("layers:"):].isdigit():
+            raise UserError(f"--draft {spec}: give a layer count, e.g. layers:6 (the target's first 6 layers)")
+        return
     if spec == "ngram" or spec.startswith("model:"):
         if spec == "model:":
             raise UserError("--draft model: needs a model name or path, e.g. model:stories260k")
@@ -119,6 +123,13 @@ def _drafter(spec: str, model, tokenizer, backend: str):
     _check_draft_spec(spec)
     if spec == "ngram":
         return NgramDrafter(), "ngram"
+    if spec.startswith("layers:"):
+        from .models import truncated_draft
+
+        try:
+            return ModelDrafter(truncated_draft(model, int(spec[len("layers:"):])), attention_backend=backend), spec
+        except ValueError as e:
+            raise UserError(str(e)) from None
     if spec.startswith("model:"):
         dmodel, dtok = _load_model(spec[len("model:"):])
         if tokenizer is not None and dtok is not None and dtok.get_vocab() != tokenizer.get_vocab():
@@ -192,7 +203,7 @@ def _add_generate(sub):
                                    "committed, a summary line goes to stderr.")
     p.add_argument("--model", default=DEFAULT_MODEL, help="target: a treespec name, HF id or path")
     p.add_argument("--draft", default=DEFAULT_DRAFT,
-                   help="a shipped head name, an EAGLE head directory, 'ngram' or 'model:NAME_OR_PATH' "
+                   help="a shipped head name, an EAGLE head directory, 'ngram', 'layers:K' (the target's first K layers as a draft model) or 'model:NAME_OR_PATH' "
                         "(default: %(default)s)")
     p.add_argument("--tree", default="cpu", help="a preset name or a JSON tree file (default: %(default)s)")
     src = p.add_mutually_exclusive_group()

@@ -203,7 +203,10 @@ def stream(
 
     The output is what ``model`` alone produces: identical tokens under greedy decoding
     (``temperature=0``), the same distribution under sampling (temperature, top_k, top_p,
-    min_p, applied at every tree node). See :func:`generate` for the arguments.
+    min_p, applied at every tree node). Exactly the options given are applied: unlike
+    ``model.generate(do_sample=True)``, nothing is taken from the model's generation
+    config but the EOS id, and there is no implicit ``top_k=50``; pass ``top_k=50`` to
+    sample as transformers does by default. See :func:`generate` for the arguments.
     ``seed`` is an int (request i uses ``seed + i``) or one seed per request; each request
     has its own generator, so its output does not depend on its batch.
     """

@@ -31,7 +31,8 @@ __all__ = [
 
 def causal_mask(n: int) -> torch.Tensor:
     """bool ``[n, n]`` lower triangle: the local mask of a run of sequential tokens."""
-    return torch.ones(n, n, dtype=torch.bool).tril_()
+    i = torch.arange(n)
+    return i[:, None] >= i[None, :]  # cheaper than tril_ for tiny n (no parallel region)
 
 
 def _lengths(local_masks: Sequence[torch.Tensor], prefix_lens) -> tuple[torch.Tensor, torch.Tensor]:
