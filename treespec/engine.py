@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import torch
 
@@ -123,6 +123,11 @@ class GenerateOutput:
 
 def _prompts(input_ids) -> tuple[list[list[int]], bool]:
     def one(x):
+        if isinstance(x, Mapping):
+            rows = _prompts(x)[0]
+            if len(rows) != 1:
+                raise ValueError("a prompt in a list must hold one sequence, got a batch")
+            return rows[0]
         if isinstance(x, torch.Tensor):
             if x.dim() == 2 and x.shape[0] == 1:
                 x = x[0]
@@ -134,6 +139,14 @@ def _prompts(input_ids) -> tuple[list[list[int]], bool]:
         out = [int(t) for t in x]
         return out
 
+    if isinstance(input_ids, Mapping):  # a tokenizer's BatchEncoding
+        if "input_ids" not in input_ids:
+            raise ValueError("input_ids is a mapping without an 'input_ids' entry")
+        ids, mask = input_ids["input_ids"], input_ids.get("attention_mask")
+        if mask is not None:
+            ids = [[t for t, m in zip(row, mrow) if int(m)] for row, mrow in zip(_rows(ids), _rows(mask))]
+            return (ids, False) if len(ids) > 1 or _is_batch(input_ids["input_ids"]) else (ids, True)
+        return _prompts(ids)
     if isinstance(input_ids, torch.Tensor):
         if input_ids.dim() == 2 and input_ids.shape[0] > 1:
             return [one(r) for r in input_ids], False
@@ -141,8 +154,23 @@ def _prompts(input_ids) -> tuple[list[list[int]], bool]:
     if not isinstance(input_ids, (list, tuple)) or len(input_ids) == 0:
         raise ValueError("input_ids must be a non-empty list of ints, a 1-D tensor, or a list of those")
     if all(isinstance(t, int) or (isinstance(t, torch.Tensor) and t.dim() == 0) for t in input_ids):
+        if not input_ids:
+            raise ValueError("input_ids is empty")
         return [one(input_ids)], True
     return [one(p) for p in input_ids], False
+
+
+def _is_batch(x) -> bool:
+    if isinstance(x, torch.Tensor):
+        return x.dim() == 2
+    return isinstance(x, (list, tuple)) and len(x) > 0 and isinstance(x[0], (list, tuple, torch.Tensor))
+
+
+def _rows(x) -> list[list[int]]:
+    """Token rows of a 1-D/2-D tensor or (nested) list."""
+    if isinstance(x, torch.Tensor):
+        x = x.tolist()
+    return [list(r) for r in x] if _is_batch(x) else [list(x)]
 
 
 def _eos_set(model, eos_token_id) -> set[int]:
