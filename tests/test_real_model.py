@@ -73,3 +73,18 @@ def test_greedy_model_drafter_equals_hf(smollm):
     assert out.sequences == refs, [tokenizer.decode(s) for s in out.sequences]
     # The draft is the target itself (numerically): nearly every drafted token is accepted.
     assert out.metrics.mean_accepted_length > 3
+
+
+def test_shipped_eagle_pair_equals_hf(smollm):
+    """The pair that ships: SmolLM2 + its EAGLE-3 head, by name, greedy-equal to HF generate
+    and accepting more than one token per step on a GSM8K question."""
+    model, tokenizer, prompts, refs = smollm
+    try:
+        draft = treespec.load_draft("smollm2-135m-instruct-eagle", model)
+    except FileNotFoundError as err:
+        pytest.fail(f"the shipped head is missing from the package: {err}")
+    assert type(draft).__name__ == "Eagle3Drafter"
+    for tree in ("chain-2", "cpu-tiny", "cpu"):
+        out = treespec.generate(model, draft, tree, prompts, max_new_tokens=NEW)
+        assert out.sequences == refs, tree
+        assert out.metrics.requests[0].mean_accepted_length > 1.2, tree
