@@ -16,7 +16,7 @@ questions = [
 ]
 prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
            for q in questions]
-out = treespec.generate(model, draft, "cpu", prompts, max_new_tokens=64)
+out = treespec.generate(model, draft, "chain-2", prompts, max_new_tokens=64)
 for q, seq, r in zip(questions, out.sequences, out.metrics.requests):
     print(f"Q: {q}\nA: {tok.decode(seq, skip_special_tokens=True)}\n"
           f"   ({r.num_generated} tokens, mean accepted length {r.mean_accepted_length:.2f})\n")

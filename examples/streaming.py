@@ -14,7 +14,7 @@ draft = treespec.load_draft("smollm2-135m-instruct-eagle", model)
 ids = tok.apply_chat_template([{"role": "user", "content": "Give three tips for learning to cook."}],
                               add_generation_prompt=True)
 generated, shown = [], ""
-for step in treespec.stream(model, draft, "cpu", ids, max_new_tokens=128, temperature=0.7, seed=0):
+for step in treespec.stream(model, draft, "chain-2", ids, max_new_tokens=128, temperature=0.7, seed=0):
     generated += step.tokens[0]
     text = tok.decode(generated, skip_special_tokens=True)
     sys.stdout.write(text[len(shown):])

@@ -205,7 +205,7 @@ def _add_generate(sub):
     p.add_argument("--draft", default=DEFAULT_DRAFT,
                    help="a shipped head name, an EAGLE head directory, 'ngram', 'layers:K' (the target's first K layers as a draft model) or 'model:NAME_OR_PATH' "
                         "(default: %(default)s)")
-    p.add_argument("--tree", default="cpu", help="a preset name or a JSON tree file (default: %(default)s)")
+    p.add_argument("--tree", default="chain-2", help="a preset name or a JSON tree file (default: %(default)s, the fastest on a 2-core CPU with the shipped head; see docs/benchmarks.md)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="plain text to continue")
     src.add_argument("--chat", help="a user message, wrapped in the model's chat template")
