@@ -69,7 +69,8 @@ def test_ttt_masks_follow_tree_ancestry():
     assert row[2 * T:].nonzero().flatten().tolist() == [4]
     assert m2[0, 4, :T].nonzero().flatten().tolist() == [0, 1, 2, 3]
     short = _ttt_masks(T, 1, torch.tensor([3]))[0]
-    assert not short[0, 5, 3:].any()  # padding keys are never seen
+    assert not short[0, 2, 3:].any()  # real entries never see padding keys
+    assert short[0, 5, 5] and short.any(-1).all()  # no row is empty (padding rows see themselves): no NaN
 
 
 def test_draft_vocabulary_is_sorted_and_consistent():
@@ -83,9 +84,9 @@ def test_draft_vocabulary_is_sorted_and_consistent():
 @needs_stories
 def test_train_end_to_end_resume_and_load(tmp_path):
     model, tok = models.load("stories260k")
-    data = write(tmp_path / "d.jsonl", [json.dumps({"text": "Once upon a time there was a little girl named Lily."}),
+    data = write(tmp_path / "d.jsonl", [json.dumps({"question": "Tom had a ball.", "answer": "He liked it a lot."}),
+                                        json.dumps({"text": "Once upon a time there was a little girl named Lily."}),
                                         json.dumps({"text": "One day, a big dog ran to the park to play."}),
-                                        json.dumps({"question": "Tom had a ball.", "answer": "He liked it a lot."}),
                                         json.dumps({"question": "The sun was hot.", "answer": "Lily went inside."}),
                                         json.dumps({"question": "x" * 3000, "answer": "too long"})])
     out = tmp_path / "run"

@@ -138,10 +138,11 @@ def capture(model, tokenizer, cfg: TrainConfig, callback: Callable[[Progress], N
     eos = tokenizer.eos_token_id
     try:
         regen_n = (len(examples) if cfg.regenerate_count is None else cfg.regenerate_count) if cfg.regenerate else 0
-        forced = examples[regen_n:]
+        # Plain-text records have no prompt to answer: they are always teacher-forced.
+        forced = [ex for ex in examples[:regen_n] if ex.text is not None] + examples[regen_n:]
         if regen_n:
             items = []
-            for ex in examples[:regen_n]:
+            for ex in (ex for ex in examples[:regen_n] if ex.text is None):
                 ids, plen = tokenize_example(tokenizer, ex, answer="")
                 if plen + 2 > cfg.max_length:
                     stats.skipped_too_long += 1
