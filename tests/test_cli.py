@@ -24,11 +24,8 @@ needs_stories = pytest.mark.skipif(
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(n)
 
 
 def run(capsys, *argv):

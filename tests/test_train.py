@@ -19,11 +19,8 @@ needs_stories = pytest.mark.skipif(models.shared_dir() is None, reason="stories2
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(n)
 
 
 def write(path, lines):

@@ -148,7 +148,6 @@ def verify_sampling(
     C = uniforms.shape[2] - 1
     arange_b = torch.arange(B, device=device)
     # children[b, i, c] = node index of the c-th child of node i (-1 = none).
-    child_rank = torch.zeros(B, n, dtype=torch.int64, device=device)
     children = torch.full((B, n, C), -1, dtype=torch.int64, device=device)
     for b, t in enumerate(trees):
         seen: dict[int, int] = {}

@@ -35,6 +35,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..drafters.base import DraftSession, DraftStart, Drafter
 from ..drafters.eagle import EagleHead, eagle3_feature_layers
@@ -327,8 +328,6 @@ def ttt_loss(head: EagleHead, batch, steps: int):
         q = a.q_proj(x).view(B, T, c.num_heads, c.head_dim)
         k = a.k_proj(x).view(B, T, c.num_kv_heads, c.head_dim)
         v = a.v_proj(x).view(B, T, c.num_kv_heads, c.head_dim)
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
         cos, sin = head.rotary(x, pos[None].expand(B, T))
         q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         ks.append(k)
