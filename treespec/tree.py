@@ -13,6 +13,7 @@ Shapes: N+1 tree nodes including the root; all index tensors are int64 on the CP
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -202,7 +203,15 @@ class Tree:
         return torch.nonzero(self.children_count() == 0).flatten().tolist()
 
     def attention_mask(self) -> torch.Tensor:
-        """bool ``[N+1, N+1]``: ``mask[i, j]`` is True iff node j is node i or its ancestor."""
+        """bool ``[N+1, N+1]``: ``mask[i, j]`` is True iff node j is node i or its ancestor.
+
+        Computed once per tree (the engine needs it for the forward and for verification);
+        treat the returned tensor as read-only.
+        """
+        return self._mask
+
+    @functools.cached_property
+    def _mask(self) -> torch.Tensor:
         n = self.num_nodes
         mask = torch.eye(n, dtype=torch.bool)
         # mask[i] |= mask[parent[i]], one depth level at a time (parents are final by then).
