@@ -26,7 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import treespec
-from tiny import tiny_model
+from tiny import dynamic_configs, tiny_model
 from treespec import TreeConfig
 from treespec.drafters.base import DraftStart
 from treespec.drafters.eagle import Eagle3Drafter, EagleDrafter, EagleHead, eagle3_feature_layers
@@ -653,12 +653,8 @@ def test_generate_draft_extend_equals_fresh_prefill(ckpts, kind):
 # ---- greedy equality ------------------------------------------------------------------------
 
 
-@st.composite
-def random_dynamic(draw):
-    depth = draw(st.integers(1, 4))
-    k = draw(st.integers(1, 4))
-    pool = k + (depth - 1) * k * k
-    return TreeConfig.dynamic(depth, k, draw(st.integers(1, min(pool, 16))))
+def random_dynamic():
+    return dynamic_configs(max_top_k=4, max_nodes=16)
 
 
 @settings(max_examples=16, **SETTINGS)

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import treespec
-from tiny import tiny_model
+from tiny import dynamic_configs, tiny_model
 from treespec import Tree, TreeConfig
 from treespec.drafters.base import DraftSession, Drafter
 from treespec.drafters.model import ModelDrafter
@@ -72,12 +72,8 @@ def random_static(draw):
     return TreeConfig.static(Tree(parents).to_paths())
 
 
-@st.composite
-def random_dynamic(draw):
-    depth = draw(st.integers(1, 4))
-    k = draw(st.integers(1, 3))
-    pool = k + (depth - 1) * k * k
-    return TreeConfig.dynamic(depth, k, draw(st.integers(1, min(pool, 12))))
+def random_dynamic():
+    return dynamic_configs(max_top_k=3, max_nodes=12)
 
 
 tree_configs = st.one_of(

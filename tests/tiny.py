@@ -39,3 +39,19 @@ def tiny_model(family: str = "llama", seed: int = 0, vocab: int = 64, hidden: in
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model.eval()
+
+
+def dynamic_configs(max_top_k: int, max_nodes: int):
+    """Hypothesis strategy: small valid ``TreeConfig.dynamic`` values."""
+    from hypothesis import strategies as st
+
+    from treespec import TreeConfig
+
+    @st.composite
+    def build(draw):
+        depth = draw(st.integers(1, 4))
+        k = draw(st.integers(1, max_top_k))
+        pool = k + (depth - 1) * k * k
+        return TreeConfig.dynamic(depth, k, draw(st.integers(1, min(pool, max_nodes))))
+
+    return build()
