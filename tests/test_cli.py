@@ -137,11 +137,15 @@ def test_bench_user_errors(capsys, flags, expect):
     assert expect in error_line(err)
 
 
-def test_bench_missing_shared_data(capsys, monkeypatch, tmp_path):
+def test_bench_datasets_are_packaged(capsys, monkeypatch, tmp_path):
+    """gsm8k and humaneval ship with treespec: no shared/ folder needed. A missing head
+    directory makes the command stop right after the dataset check, before any model loads."""
     monkeypatch.setenv("TREESPEC_SHARED", str(tmp_path))  # a shared/ without data/
-    rc, _, err = run(capsys, "bench", "--dataset", "gsm8k", "--draft", "ngram")
-    assert rc == 2
-    assert "shared/data/gsm8k_test.jsonl" in error_line(err)
+    for name in ("gsm8k", "humaneval"):
+        rc, _, err = run(capsys, "bench", "--dataset", name, "--draft", str(tmp_path / "no-head"))
+        assert rc == 2
+        line = error_line(err)
+        assert "no draft head" in line and "shared" not in line
 
 
 def test_text_stream_waits_for_whole_characters(stories):

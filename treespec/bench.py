@@ -22,7 +22,6 @@ This module never prints: progress goes to ``callback``, details to ``logging``.
 
 from __future__ import annotations
 
-import gzip
 import json
 import logging
 import os
@@ -36,6 +35,8 @@ from typing import Callable, Sequence
 import torch
 
 from .config import TreeConfig
+from .data import dataset_path
+from .data import read_jsonl as _read_jsonl
 from .drafters.base import Drafter
 from .engine import generate as ts_generate
 from .sampling import SamplingParams
@@ -52,11 +53,11 @@ HF_GENERATE = "hf-generate"
 HF_LOOKUP = "hf-prompt-lookup"
 TREESPEC = "treespec"
 
-#: built-in datasets: name -> (file under shared/data, prompt field, chat instruction)
+#: built-in datasets: name -> (packaged dataset in treespec.data, prompt field, chat instruction)
 DATASETS = {
-    "gsm8k": ("gsm8k_test.jsonl", "question", "{text}"),
+    "gsm8k": ("gsm8k-test", "question", "{text}"),
     "humaneval": (
-        "HumanEval.jsonl.gz", "prompt",
+        "humaneval", "prompt",
         "Complete the following Python function. Reply with the whole function in one "
         "Python code block.\n\n```python\n{text}```",
     ),
@@ -117,37 +118,11 @@ class BenchConfig:
 # ---- prompts ----------------------------------------------------------------------------
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    rows = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path} line {n} is not JSON: {e}") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path} line {n} is not a JSON object")
-            rows.append(row)
-    return rows
-
-
 def dataset_file(dataset: str) -> tuple[Path, str, str]:
     """``(file, default prompt field, chat instruction)`` of a dataset name or path."""
     if dataset in DATASETS:
-        from .models import shared_dir
-
-        fname, fld, instruction = DATASETS[dataset]
-        shared = shared_dir()
-        path = shared / "data" / fname if shared else None
-        if path is None or not path.is_file():
-            raise FileNotFoundError(
-                f"the {dataset} dataset needs the project's shared/ folder (shared/data/{fname}); "
-                f"set TREESPEC_SHARED to the folder holding data/{fname}, or give a .jsonl file"
-            )
-        return path, fld, instruction
+        name, fld, instruction = DATASETS[dataset]
+        return dataset_path(name), fld, instruction
     path = Path(dataset).expanduser()
     if path.suffix in (".jsonl", ".gz") or path.exists():
         if not path.is_file():
@@ -160,8 +135,8 @@ def load_prompts(dataset: str, tokenizer, num_prompts: int | None = None, *, pro
                  raw: bool = False) -> tuple[list[list[int]], str]:
     """The first ``num_prompts`` prompts of ``dataset`` as token ids, and their format.
 
-    ``dataset`` is ``"gsm8k"`` (shared/data/gsm8k_test.jsonl, field ``question``),
-    ``"humaneval"`` (shared/data/HumanEval.jsonl.gz, field ``prompt``, asked as a chat
+    ``dataset`` is ``"gsm8k"`` (GSM8K test, packaged in :mod:`treespec.data`, field ``question``),
+    ``"humaneval"`` (HumanEval, packaged, field ``prompt``, asked as a chat
     message to complete the function) or a JSONL file (field ``prompt_field``, default
     ``prompt``). Prompts go through the tokenizer's chat template as one user message,
     unless ``raw`` or the tokenizer has none (then the text is used as is, format
@@ -171,9 +146,7 @@ def load_prompts(dataset: str, tokenizer, num_prompts: int | None = None, *, pro
         raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
     path, default_field, instruction = dataset_file(dataset)
     fld = prompt_field or default_field
-    rows = _read_jsonl(path)
-    if num_prompts is not None:
-        rows = rows[:num_prompts]
+    rows = _read_jsonl(path, num_prompts)
     if not rows:
         raise ValueError(f"{path} holds no prompts")
     texts = []

@@ -1,0 +1,79 @@
+"""The datasets packaged in treespec/data: present, readable, licensed, and carried by a wheel."""
+
+from __future__ import annotations
+
+import fnmatch
+import gzip
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from treespec import data
+from treespec.bench import DATASETS as BENCH_DATASETS
+from treespec.bench import dataset_file
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("name, count, fields", [
+    ("gsm8k-test", 1319, {"question", "answer"}),
+    ("gsm8k-train", 7473, {"question", "answer"}),
+    ("humaneval", 164, {"task_id", "prompt", "canonical_solution", "test", "entry_point"}),
+])
+def test_packaged_datasets_load_whole(name, count, fields):
+    rows = data.load_dataset(name)
+    assert len(rows) == count
+    assert all(set(r) >= fields for r in rows)
+
+
+def test_load_dataset_limit_and_first_records():
+    rows = data.load_dataset("gsm8k-test", limit=2)
+    assert len(rows) == 2
+    assert rows[0]["question"].startswith("Janet\u2019s ducks lay 16 eggs per day.")
+    assert data.load_dataset("humaneval", limit=1)[0]["task_id"] == "HumanEval/0"
+    assert data.load_dataset("gsm8k-train", limit=1)[0]["question"].startswith("Natalia sold clips")
+
+
+def test_unknown_dataset_names_the_known_ones():
+    with pytest.raises(ValueError, match="gsm8k-test, gsm8k-train, humaneval"):
+        data.dataset_path("squad")
+
+
+def test_read_jsonl_names_the_bad_line(tmp_path):
+    f = tmp_path / "d.jsonl.gz"
+    with gzip.open(f, "wt", encoding="utf-8") as g:
+        g.write(json.dumps({"a": 1}) + "\n\n[1, 2]\n")
+    with pytest.raises(ValueError, match="line 3 is not a JSON object"):
+        data.read_jsonl(f)
+    assert data.read_jsonl(f, limit=1) == [{"a": 1}]
+
+
+def test_every_dataset_file_has_its_licence():
+    readme = (Path(data.__file__).parent / "README.md").read_text()
+    for name, (fname, _) in data.DATASETS.items():
+        assert f"`{name}`" in readme and f"`{fname}`" in readme
+    for lic in ("LICENSE-gsm8k", "LICENSE-humaneval"):
+        text = (Path(data.__file__).parent / lic).read_text()
+        assert "MIT License" in text and "Copyright (c)" in text and "OpenAI" in text
+
+
+def test_bench_datasets_need_no_shared_folder(monkeypatch, tmp_path):
+    monkeypatch.setenv("TREESPEC_SHARED", str(tmp_path / "nowhere"))
+    for name in BENCH_DATASETS:
+        path, _, _ = dataset_file(name)
+        assert path.is_file() and path.parent == Path(data.__file__).parent
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="tomllib is Python 3.11+")
+def test_pyproject_package_data_carries_every_data_file():
+    import tomllib
+
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["treespec"]
+    folder = Path(data.__file__).parent
+    files = [p.relative_to(folder.parent).as_posix() for p in folder.iterdir()
+             if p.is_file() and p.suffix != ".py" and p.name != "__pycache__"]
+    assert len(files) == 6  # three datasets, two licences, the README
+    for f in files:
+        assert any(fnmatch.fnmatch(f, pat) for pat in patterns), f"{f} would be left out of a wheel"
