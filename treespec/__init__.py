@@ -7,20 +7,49 @@ in one forward of ``model`` under a tree attention mask, and commits the longest
 acceptable path: the output is exactly what ``model`` alone would produce.
 """
 
+import importlib as _importlib
 import logging as _logging
-
-from .config import PRESETS, Preset, TreeConfig
-from .engine import GenerateOutput, RequestMetrics, SpecMetrics, StepOutput, generate, stream
-from .mask import pack_mask, unpack_mask
-from .sampling import SamplingParams
-from .tree import Tree
-from .drafters.eagle import load_draft
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
+# Public name -> the module defining it, imported on first use (PEP 562): ``import
+# treespec.cli`` then costs no torch or transformers import, so ``treespec --help`` and
+# usage errors answer at once.
+_EXPORTS = {
+    "Tree": ".tree",
+    "TreeConfig": ".config", "PRESETS": ".config", "Preset": ".config",
+    "pack_mask": ".mask", "unpack_mask": ".mask",
+    "generate": ".engine", "stream": ".engine", "GenerateOutput": ".engine", "SpecMetrics": ".engine",
+    "RequestMetrics": ".engine", "StepOutput": ".engine",
+    "SamplingParams": ".sampling",
+    "load_draft": ".drafters.eagle",
+}
+
 __all__ = [
     "Tree", "TreeConfig", "PRESETS", "Preset", "pack_mask", "unpack_mask", "generate", "stream",
     "GenerateOutput", "SpecMetrics", "RequestMetrics", "StepOutput", "SamplingParams", "load_draft",
 ]
+
+if TYPE_CHECKING:
+    from .config import PRESETS, Preset, TreeConfig
+    from .drafters.eagle import load_draft
+    from .engine import GenerateOutput, RequestMetrics, SpecMetrics, StepOutput, generate, stream
+    from .mask import pack_mask, unpack_mask
+    from .sampling import SamplingParams
+    from .tree import Tree
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'treespec' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

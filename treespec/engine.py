@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping, Sequence
@@ -121,8 +122,14 @@ class GenerateOutput:
         return self.sequences[i]
 
 
+_TEXT_NOT_IDS = ("input_ids must be token ids, not text: tokenize the text first, e.g. "
+                 "tokenizer(text)['input_ids'] or tokenizer.apply_chat_template(messages, add_generation_prompt=True)")
+
+
 def _prompts(input_ids) -> tuple[list[list[int]], bool]:
     def one(x):
+        if isinstance(x, (str, bytes)):
+            raise ValueError(_TEXT_NOT_IDS)
         if isinstance(x, Mapping):
             rows = _prompts(x)[0]
             if len(rows) != 1:
@@ -136,8 +143,17 @@ def _prompts(input_ids) -> tuple[list[list[int]], bool]:
             if x.dtype.is_floating_point or x.dtype == torch.bool:
                 raise ValueError(f"prompt token ids must be integers, got {x.dtype}")
             return [int(t) for t in x.tolist()]
-        out = [int(t) for t in x]
-        return out
+        if not isinstance(x, (list, tuple)):
+            raise ValueError(f"a prompt must be a list of token ids or a 1-D tensor, got {type(x).__name__}")
+        ids = []
+        for t in x:
+            if isinstance(t, (str, bytes)):
+                raise ValueError(_TEXT_NOT_IDS)
+            try:
+                ids.append(operator.index(t))  # unlike int(), refuses 1.5 and "7"
+            except TypeError:
+                raise ValueError(f"prompt token ids must be ints, got {type(t).__name__} {t!r}") from None
+        return ids
 
     if isinstance(input_ids, Mapping):  # a tokenizer's BatchEncoding
         if "input_ids" not in input_ids:
@@ -151,9 +167,14 @@ def _prompts(input_ids) -> tuple[list[list[int]], bool]:
         if input_ids.dim() == 2 and input_ids.shape[0] > 1:
             return [one(r) for r in input_ids], False
         return [one(input_ids)], True
+    if isinstance(input_ids, (str, bytes)):
+        raise ValueError(_TEXT_NOT_IDS)
     if not isinstance(input_ids, (list, tuple)) or len(input_ids) == 0:
         raise ValueError("input_ids must be a non-empty list of ints, a 1-D tensor, or a list of those")
-    if all(isinstance(t, int) or (isinstance(t, torch.Tensor) and t.dim() == 0) for t in input_ids):
+    if any(isinstance(t, (str, bytes)) for t in input_ids):
+        raise ValueError(_TEXT_NOT_IDS)
+    if not any(isinstance(t, (list, tuple, Mapping)) or (isinstance(t, torch.Tensor) and t.dim() > 0) for t in input_ids):
+        # One prompt of scalars; one() names an entry that is not a token id.
         if not input_ids:
             raise ValueError("input_ids is empty")
         return [one(input_ids)], True
@@ -263,9 +284,55 @@ def stream(
         bad = [t for t in p if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the model's vocabulary (0..{vocab - 1})")
+    _warn_past_context(prompts, max_new_tokens, runner.max_positions)
     eos = _eos_set(model, eos_token_id)
     gens = _generators(seed, len(prompts), runner.device)
     yield from _loop(runner, drafter, cfg, prompts, params, eos, gens, max_new_tokens, page_size)
+
+
+def _warn_past_context(prompts: list[list[int]], max_new: int, max_pos: int | None) -> None:
+    """Warn, as HF generate does, when a request reaches past the model's positions: the
+    model was not trained there, and no tree is drafted past them (one token a step)."""
+    if max_pos is None:
+        return
+    longest = max(len(p) for p in prompts)
+    if longest > max_pos:
+        log.warning("a prompt of %d tokens is longer than the model's context of %d positions "
+                    "(max_position_embeddings): the output may degrade; shorten the prompt", longest, max_pos)
+    elif longest + max_new > max_pos:
+        log.warning("a prompt of %d tokens plus max_new_tokens=%d reaches past the model's context of %d "
+                    "positions (max_position_embeddings): past it the output may degrade, and no tree is "
+                    "drafted (one token per step)", longest, max_new, max_pos)
+
+
+class _AcceptanceWatch:
+    """Warns once when the draft's first steps accept nothing at all: a head trained for
+    another model of the same shapes runs losslessly but at tau 1.0, slower than the model
+    alone, and would otherwise say nothing."""
+
+    STEPS = 8  # verify steps that drafted something, across the batch, before judging
+
+    def __init__(self, drafter: Drafter):
+        from .drafters.ngram import NgramDrafter
+
+        self.name = type(drafter).__name__
+        # Prompt lookup drafts only on repeated text: rejections there say nothing of a mismatch.
+        self.steps = None if isinstance(drafter, NgramDrafter) else 0
+        self.drafted = self.accepted = 0
+
+    def record(self, trees: list[Tree], accepted: int) -> None:
+        drafted = sum(t.num_drafted for t in trees)
+        if self.steps is None or drafted == 0:
+            return
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        if self.steps == self.STEPS:
+            if self.accepted == 0:
+                log.warning("the model accepted none of the %d tokens %s drafted over the first %d steps: is "
+                            "this draft (head) trained for this model? The output stays exact, but no faster "
+                            "than the model alone", self.drafted, self.name, self.STEPS)
+            self.steps = None
 
 
 def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts, params: SamplingParams,
@@ -274,6 +341,7 @@ def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts, param
     metrics = SpecMetrics(requests=[RequestMetrics() for _ in range(B)])
     t_start = time.perf_counter()
     max_pos = runner.max_positions
+    watch = _AcceptanceWatch(drafter)
     with runner.attached():
         cache = runner.new_cache([len(p) + max_new + cfg.max_tree_tokens for p in prompts], page_size)
         seqs = [cache.add_sequence() for _ in prompts]
@@ -361,6 +429,7 @@ def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts, param
                     commit_feats.append(out.features[i][torch.tensor(path)])
             metrics.num_steps += 1
             metrics.tree_tokens += sum(t.num_nodes for t in trees)
+            watch.record(trees, sum(len(t) - 1 for t in commit_tokens))
             metrics.verify_seconds += time.perf_counter() - t0
 
             t0 = time.perf_counter()
