@@ -4,6 +4,7 @@
     treespec bench [--dataset gsm8k] [--draft D ...] [--tree T ...] [--out results.json] ...
     treespec tree show PRESET|TREE.json [--prompt TEXT --model M --draft D] --out tree.png
     treespec train-eagle --data DATA.jsonl --out DIR ...
+    treespec export --to vllm|sglang|eagle [--draft D] [--tree T] [--model M]
 
 A draft ``D`` is a shipped head name (``treespec.assets.DRAFTS``), an EAGLE head directory,
 ``ngram`` (prompt lookup, no model) or ``model:NAME_OR_PATH`` (an independent small LM). A
@@ -600,6 +601,42 @@ def _train(args):
     print(f"saved the head to {args.out}/head")
 
 
+# ---- export -----------------------------------------------------------------------------
+
+
+def _add_export(sub):
+    from .export import ENGINES
+
+    p = sub.add_parser(
+        "export", help="print how to serve an EAGLE-3 head with vLLM, SGLang or the EAGLE reference",
+        description="Check that the engine reads the head folder correctly (its loading rules, "
+                    "treespec/export.py), then print its command line (vLLM, SGLang) or Python call (EAGLE "
+                    "reference) with the tree mapped to the engine's parameters. See docs/serving.md.",
+    )
+    p.add_argument("--to", required=True, choices=ENGINES, help="the serving engine")
+    p.add_argument("--draft", default=DEFAULT_DRAFT, help="EAGLE-3 head: shipped name or folder (default: %(default)s)")
+    p.add_argument("--tree", default="chain-2", metavar="PRESET|TREE.json",
+                   help="tree preset or JSON tree file (default: %(default)s, which every engine runs)")
+    p.add_argument("--model", default=None,
+                   help="the target as the engine loads it, HF id or folder (default: the shipped head's target)")
+    p.set_defaults(func=_export)
+
+
+def _export(args):
+    from .export import export_head
+
+    if args.tree == "auto":
+        raise UserError("--tree auto (a tree profiled on this machine) is not built yet (issue 9); "
+                        "give a preset or a JSON tree file")
+    _check_draft_spec(args.draft)
+    cfg, _ = _tree(args.tree)
+    out = export_head(args.to, args.draft, cfg, model=args.model)
+    print(out.command)
+    for note in out.notes:
+        print(f"# {note}")
+    return 0
+
+
 # ---- entry point ------------------------------------------------------------------------
 
 
@@ -611,6 +648,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_tree(sub)
     _add_train(sub)
+    _add_export(sub)
     return parser
 
 

@@ -117,12 +117,19 @@ class HeadConfig:
             "max_position_embeddings": self.max_position_embeddings,
             "hidden_act": "silu",
             "torch_dtype": "float16",
+            # SGLang ties lm_head to the embedding when this is true (treespec.export).
+            "tie_word_embeddings": False,
+            # Always written: the EAGLE reference reads a missing "bias" as true and would
+            # give an EAGLE-1/2 fc a random bias; SGLang reads it for the EAGLE-3 fc.
+            "bias": self.fc_bias,
         }
         if self.eagle3:
             out["draft_vocab_size"] = self.draft_vocab_size
-            out["target_hidden_size"] = self.target_hidden_size
-        if self.fc_bias:
-            out["bias"] = True
+            # Only when it differs: with the key present the EAGLE reference no longer copies
+            # the target's embedding, and a head without embed_tokens.weight (treespec's)
+            # would draft from a random one. vLLM and SGLang size fc the same either way.
+            if self.target_hidden_size != self.hidden_size:
+                out["target_hidden_size"] = self.target_hidden_size
         return out
 
     def llama_config(self) -> LlamaConfig:
