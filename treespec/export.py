@@ -136,7 +136,9 @@ def _eagle_reference(head: HeadFiles) -> list[str]:
     # EConfig (configs.py @08dc06c) is a PretrainedConfig with LLaMA-7B defaults: a missing
     # key is not an error there, it is hidden 4096, eps 1e-6, RoPE base 10000 (cnets uses
     # rope_theta only when the config has it).
-    for k in ("draft_vocab_size", "rms_norm_eps", "rope_theta", "max_position_embeddings"):
+    if "draft_vocab_size" not in c:  # cnets.py Model.__init__ sizes lm_head and d2t by it: no default
+        out.append("config.json has no draft_vocab_size: EAGLE-3's Model reads it and EConfig has no default")
+    for k in ("rms_norm_eps", "rope_theta", "max_position_embeddings"):
         if k not in c:
             out.append(f"config.json has no {k}: the EAGLE reference falls back to its LLaMA-7B default")
     # traineagle3/cnets.py @09fe6a0, LlamaAttention.__init__: head_dim = hidden_size //
