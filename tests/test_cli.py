@@ -148,6 +148,17 @@ def test_bench_datasets_are_packaged(capsys, monkeypatch, tmp_path):
         assert "no draft head" in line and "shared" not in line
 
 
+def test_recorded_paths_are_portable(monkeypatch, tmp_path):
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cli._portable(str(tmp_path / "work" / "results" / "r.json")) == "results/r.json"
+    assert cli._portable(f"--out={tmp_path / 'work' / 'r.json'}") == "--out=r.json"
+    assert cli._portable(str(tmp_path / "home" / "d.jsonl")) == "~/d.jsonl"
+    assert cli._portable("/elsewhere/d.jsonl") == "/elsewhere/d.jsonl"
+    assert cli._portable("--num-prompts") == "--num-prompts" and cli._portable("gsm8k") == "gsm8k"
+
+
 def test_text_stream_waits_for_whole_characters(stories):
     """Byte-fallback tokens of one character arrive one by one: nothing half-decoded is written."""
     import io
@@ -252,9 +263,12 @@ def test_bench_greedy_json_and_plots(capsys, tmp_path, tiny_dataset):
         assert set(c["time_split"]) == {"prefill", "draft", "verify"}
     assert len(data["prompts"]) == 2
     assert data["prompts"][1]["results"]["ngram/cpu"]["matches_hf_generate"] is True
-    for name in ("acceptance_by_position.png", "tokens_per_second.png"):
+    for name in ("r-acceptance_by_position.png", "r-tokens_per_second.png"):  # prefix: the --out stem
         assert (tmp_path / "plots" / name).read_bytes()[:8] == PNG
     assert "ngram/cpu" in stdout and "speedup" in stdout  # the table
+    text = (tmp_path / "r.txt").read_text()  # the same table beside the JSON, without progress bars
+    assert text.startswith(f"$ {data['command']}\n") and "ngram/cpu" in text
+    assert "\r" not in text and "%|" not in text and text.splitlines()[1] in stdout
 
 
 @needs_stories

@@ -507,8 +507,8 @@ def format_table(data: dict, max_positions: int = 5) -> str:
 
 def save_plots(data: dict, out_dir, prefix: str = "") -> list[Path]:
     """Two PNGs from ``to_json``'s output: acceptance rate by draft position per treespec
-    configuration (``acceptance_by_position.png``) and tokens/s per configuration as bars
-    (``tokens_per_second.png``). Returns the paths written."""
+    configuration (``{prefix}acceptance_by_position.png``) and tokens/s per configuration as
+    bars (``{prefix}tokens_per_second.png``). Returns the paths written."""
     from matplotlib.figure import Figure
 
     out_dir = Path(out_dir)
@@ -547,6 +547,7 @@ def save_plots(data: dict, out_dir, prefix: str = "") -> list[Path]:
             ax.annotate(f"{c['speedup']:.2f}x", (b.get_x() + b.get_width() / 2, b.get_height()),
                         ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+    ax.set_ylim(0, 1.15 * max(tps, default=0) or 1)  # headroom: the speedup labels sit above the bars
     ax.set_ylabel("tokens/s (total tokens / total seconds)")
     ax.set_title("throughput, speedup over HF generate\n" + title, fontsize=9)
     ax.grid(axis="y", alpha=0.3)

@@ -295,8 +295,28 @@ def _add_bench(sub):
     _add_runtime(p)
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--plot-dir", default=None, help="write PNG plots into this folder")
-    p.add_argument("--plot-prefix", default="", help="file name prefix of the PNGs")
+    p.add_argument("--plot-prefix", default=None,
+                   help="file name prefix of the PNGs (default: the --out file's name and '-', e.g. r- for r.json; "
+                        "else bench-)")
     p.set_defaults(func=_bench)
+
+
+def _portable(arg: str) -> str:
+    """An absolute path as it reads from here (relative under the working folder, ``~`` under
+    home), so that recorded commands hold no machine's folders; other arguments unchanged."""
+    import os
+
+    flag, eq, value = arg.partition("=")
+    if eq and flag.startswith("--"):
+        return f"{flag}={_portable(value)}"
+    if not os.path.isabs(arg):
+        return arg
+    path, cwd, home = Path(arg), Path.cwd(), Path.home()
+    if path.is_relative_to(cwd):
+        return path.relative_to(cwd).as_posix() or "."
+    if path.is_relative_to(home):
+        return "~/" + path.relative_to(home).as_posix()
+    return arg
 
 
 def _bench_pairs(args) -> list[tuple[str, str]]:
@@ -357,8 +377,9 @@ def _bench(args):
     def progress(p):
         bar = bars.get(p.stage)
         if bar is None:
+            # disable=None: no bars when stderr is not a terminal, so a redirected log stays readable
             bar = bars[p.stage] = tqdm(total=p.total, desc=p.stage, unit="prompt" if p.stage == "prompts" else "config",
-                                       dynamic_ncols=True, leave=p.stage == "prompts")
+                                       dynamic_ncols=True, leave=p.stage == "prompts", disable=None)
         bar.n = p.done
         bar.set_postfix_str(p.config or "", refresh=False)
         bar.refresh()
@@ -370,21 +391,26 @@ def _bench(args):
                     attention_backend=args.backend, callback=progress)
     for bar in bars.values():
         bar.close()
-    data = to_json(res, command="treespec " + shlex.join(args.argv), model=args.model, dataset=args.dataset,
-                   prompt_format=fmt)
-    print(f"{args.model} on {args.dataset} ({fmt} prompts): {len(prompts)} prompt(s), {args.max_new_tokens} new tokens, "
-          + ("greedy" if sp.greedy else f"temperature {sp.temperature}")
-          + "; tok/s: total tokens / total seconds, med: median over prompts, tau: mean accepted length")
-    print(format_table(data))
-    for note in data["notes"]:
-        print(f"note: {note}")
+    data = to_json(res, command="treespec " + shlex.join(_portable(a) for a in args.argv), model=args.model,
+                   dataset=_portable(args.dataset), prompt_format=fmt)
+    report = "\n".join([
+        f"{args.model} on {data['dataset']} ({fmt} prompts): {len(prompts)} prompt(s), {args.max_new_tokens} new tokens, "
+        + ("greedy" if sp.greedy else f"temperature {sp.temperature}")
+        + "; tok/s: total tokens / total seconds, med: median over prompts, tau: mean accepted length",
+        format_table(data),
+        *(f"note: {note}" for note in data["notes"]),
+    ]) + "\n"
+    sys.stdout.write(report)
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(data, indent=2) + "\n")
-        print(f"wrote {out}")
+        # The table as printed, beside the JSON: a clean text record (no progress bars).
+        out.with_suffix(".txt").write_text(f"$ {data['command']}\n{report}")
+        print(f"wrote {out} and {out.with_suffix('.txt').name}")
     if args.plot_dir:
-        for path in save_plots(data, args.plot_dir, args.plot_prefix):
+        prefix = args.plot_prefix if args.plot_prefix is not None else f"{Path(args.out).stem}-" if args.out else "bench-"
+        for path in save_plots(data, args.plot_dir, prefix):
             print(f"wrote {path}")
     bad = [c for c in data["configs"] if c["kind"] == "treespec" and c.get("mismatches")]
     if bad:
@@ -552,7 +578,8 @@ def _tree_show(args):
 def _add_train(sub):
     p = sub.add_parser("train-eagle", help="train an EAGLE draft head for a target model")
     p.add_argument("--model", default="smollm2-135m-instruct", help="target: a treespec name, HF id or path")
-    p.add_argument("--data", required=True, help="JSONL with question/answer, prompt/completion, messages or text")
+    p.add_argument("--data", required=True, help="JSONL with question/answer, prompt/completion, messages or text, "
+                   "or a packaged dataset: gsm8k-train (GSM8K train, shipped with treespec)")
     p.add_argument("--out", required=True, help="output directory (resumes if it holds a run)")
     p.add_argument("--arch", choices=["eagle3", "eagle1"], default="eagle3")
     p.add_argument("--draft-vocab", type=int, default=4096, help="EAGLE-3 draft vocabulary (0: full)")
