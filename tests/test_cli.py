@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -135,6 +136,26 @@ def test_bench_user_errors(capsys, flags, expect):
     rc, _, err = run(capsys, "bench", "--model", "stories260k", *flags)
     assert rc == 2
     assert expect in error_line(err)
+
+
+def bench_pairs(*argv):
+    return cli._bench_pairs(cli.build_parser().parse_args(["bench", *argv]))
+
+
+def test_bench_default_configs_are_the_fastest_measured():
+    """README's recommendation first, then the next fastest of docs/benchmarks.md's sweep;
+    not the 16-node cpu tree or chain-4, both slower than HF generate there."""
+    assert bench_pairs() == [(SHIPPED, "chain-2"), (SHIPPED, "chain-1"), (SHIPPED, "cpu-tiny")]
+    readme = (Path(cli.__file__).parents[1] / "README.md").read_text()
+    assert "--config smollm2-135m-instruct-eagle@chain-2" in readme  # the recommendation is still chain-2
+
+
+def test_bench_pairs_from_flags():
+    assert bench_pairs("--draft", "ngram") == [("ngram", "chain-3"), ("ngram", "cpu-tiny")]
+    assert bench_pairs("--tree", "cpu") == [(SHIPPED, "chain-2"), (SHIPPED, "cpu")]
+    assert bench_pairs("--chain", "0", "--tree", "eagle1") == [(SHIPPED, "eagle1")]
+    assert bench_pairs("--config", "ngram@chain-3", "--config", f"{SHIPPED}@cpu") == [
+        ("ngram", "chain-3"), (SHIPPED, "cpu")]
 
 
 def test_bench_datasets_are_packaged(capsys, monkeypatch, tmp_path):

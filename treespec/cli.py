@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_DRAFT = "smollm2-135m-instruct-eagle"
+# treespec bench's configurations when none is asked for: the README's recommendation (chain-2)
+# and the next fastest in docs/benchmarks.md's tree sweep (chain-1 1.14x, the 8-node tree 0.87x).
+DEFAULT_BENCH_CONFIGS = (f"{DEFAULT_DRAFT}@chain-2", f"{DEFAULT_DRAFT}@chain-1", f"{DEFAULT_DRAFT}@cpu-tiny")
 # A GSM8K-style word problem (GSM8K train, first record): the shipped head trained on them.
 DEFAULT_CHAT = (
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips "
@@ -274,13 +277,15 @@ def _add_bench(sub):
     p.add_argument("--model", default=DEFAULT_MODEL, help="target: a treespec name, HF id or path")
     p.add_argument("--draft", action="append", default=None,
                    help="draft to run (repeatable): a shipped head name, head directory, 'ngram' or "
-                        f"'model:NAME' (default: {DEFAULT_DRAFT} and ngram)")
+                        f"'model:NAME' (default: {DEFAULT_DRAFT})")
     p.add_argument("--tree", action="append", default=None,
-                   help="tree to run with each draft (repeatable): preset or JSON file (default: cpu)")
+                   help="tree to run with each draft (repeatable): preset or JSON file (default: cpu-tiny)")
     p.add_argument("--chain", type=int, default=None, metavar="K",
-                   help="also run each draft with a chain of K (default: 3 for ngram, 4 for others; 0: none)")
+                   help="also run each draft with a chain of K (default: 3 for ngram, 2 for others; 0: none)")
     p.add_argument("--config", action="append", default=None, metavar="DRAFT@TREE",
-                   help="run exactly these draft/tree pairs instead of --draft x (chain + --tree) (repeatable)")
+                   help="run exactly these draft/tree pairs instead of --draft x (chain + --tree) (repeatable). "
+                        "With none of --config, --draft, --tree, --chain: "
+                        + ", ".join(DEFAULT_BENCH_CONFIGS) + " (the fastest on a 2-core CPU, docs/benchmarks.md)")
     p.add_argument("--lookup-tokens", type=int, default=3, metavar="K",
                    help="HF prompt lookup's prompt_lookup_num_tokens (default: %(default)s, as ngram's chain-3)")
     p.add_argument("--no-hf-lookup", action="store_true", help="skip HF prompt lookup")
@@ -331,11 +336,13 @@ def _bench_pairs(args) -> list[tuple[str, str]]:
                 raise UserError(f"--config {c!r} must look like DRAFT@TREE, e.g. ngram@chain-3")
             pairs.append((draft, tree))
         return pairs
-    drafts = args.draft or [DEFAULT_DRAFT, "ngram"]
-    trees = args.tree or ["cpu"]
+    if not (args.draft or args.tree or args.chain is not None):
+        return [tuple(c.rsplit("@", 1)) for c in DEFAULT_BENCH_CONFIGS]
+    drafts = args.draft or [DEFAULT_DRAFT]
+    trees = args.tree or ["cpu-tiny"]
     pairs = []
     for d in drafts:
-        k = args.chain if args.chain is not None else (3 if d == "ngram" else 4)
+        k = args.chain if args.chain is not None else (3 if d == "ngram" else 2)
         if k < 0:
             raise UserError(f"--chain must be >= 0, got {k}")
         for t in ([f"chain-{k}"] if k else []) + trees:
