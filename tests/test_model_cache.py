@@ -116,6 +116,8 @@ with open(part, "wb") as f:
         f.flush()
         time.sleep(0.4)
 shutil.copy(part, dest / payload.name)
+part.unlink()  # pip cleans up its temporary copy
+time.sleep(0.6)
 """
 
 

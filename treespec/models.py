@@ -330,6 +330,7 @@ def _pip_download(requirement: str, dest: Path, pattern: str, size: int, progres
         log_file = Path(tmp) / "pip.log"
         with open(log_file, "w") as out:
             proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "TMPDIR": tmp})
+            seen = 0  # the file vanishes once pip has copied it: never report fewer bytes than seen
             try:
                 while proc.poll() is None:
                     time.sleep(0.25)
@@ -337,7 +338,8 @@ def _pip_download(requirement: str, dest: Path, pattern: str, size: int, progres
                     for part in Path(tmp).rglob("*.whl"):
                         with contextlib.suppress(OSError):  # pip may move or delete it meanwhile
                             done += part.stat().st_size
-                    report(LoadProgress("download", message, min(done, size), size))
+                    seen = max(seen, min(done, size))
+                    report(LoadProgress("download", message, seen, size))
             except BaseException:  # Ctrl-C (pip has its own) or a failing callback: leave no pip behind
                 proc.kill()
                 proc.wait()
