@@ -1,6 +1,8 @@
 """The ``treespec`` command line: argument handling, one-line errors, and short end-to-end
-runs of ``generate``, ``bench`` and ``tree show`` on stories260K (260K parameters, loads in
-well under a second; needs the project's shared/ folder)."""
+runs of ``generate``, ``bench`` and ``tree show`` on a tiny random llama with a byte-level
+tokenizer that the tests build and save (``tiny.save_tiny_lm``; no download, no shared/
+folder). One test needs real text (prompt lookup must find a repeat in the target's own
+continuation) and runs on stories260K, from the project's shared/ folder where there is one."""
 
 from __future__ import annotations
 
@@ -14,13 +16,15 @@ import torch
 from treespec import cli, models
 from treespec.assets import DRAFTS
 
-from tiny import tiny_model
+from tiny import save_tiny_lm, tiny_model
 
 PNG = b"\x89PNG\r\n\x1a\n"
 SHIPPED = "smollm2-135m-instruct-eagle"
 
 needs_stories = pytest.mark.skipif(
-    models.shared_dir() is None, reason="stories260K needs the project's shared/ folder (shared/models)"
+    models.shared_dir() is None,
+    reason="stories260K (real text) is not shipped with treespec (its licence does not allow it): it needs the "
+           "project's shared/ folder (shared/models/stories260K.gguf, or set TREESPEC_SHARED)"
 )
 
 
@@ -45,10 +49,14 @@ def error_line(err: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def stories():
-    if models.shared_dir() is None:
-        pytest.skip("stories260K needs the project's shared/ folder (shared/models)")
-    return models.load("stories260k")
+def lm_dir(tmp_path_factory):
+    """A saved tiny model folder, given to the CLI as ``--model``."""
+    return str(save_tiny_lm(tmp_path_factory.mktemp("tiny-lm")))
+
+
+@pytest.fixture(scope="module")
+def lm(lm_dir):
+    return models.load(lm_dir)
 
 
 def greedy_text(model, tok, prompt: str, n: int) -> str:
@@ -180,11 +188,11 @@ def test_recorded_paths_are_portable(monkeypatch, tmp_path):
     assert cli._portable("--num-prompts") == "--num-prompts" and cli._portable("gsm8k") == "gsm8k"
 
 
-def test_text_stream_waits_for_whole_characters(stories):
-    """Byte-fallback tokens of one character arrive one by one: nothing half-decoded is written."""
+def test_text_stream_waits_for_whole_characters(lm):
+    """Byte-level tokens of one character arrive one by one: nothing half-decoded is written."""
     import io
 
-    _, tok = stories
+    _, tok = lm
     ids = tok("Zoë 🐶 ok", add_special_tokens=False)["input_ids"]
     buf = io.StringIO()
     s = cli._TextStream(tok, buf)
@@ -199,12 +207,11 @@ def test_text_stream_waits_for_whole_characters(stories):
 # ---- generate ---------------------------------------------------------------------------
 
 
-@needs_stories
-def test_generate_ngram_streams_the_greedy_continuation(capsys, stories):
-    rc, out, err = run(capsys, "generate", "--model", "stories260k", "--draft", "ngram",
+def test_generate_ngram_streams_the_greedy_continuation(capsys, lm, lm_dir):
+    rc, out, err = run(capsys, "generate", "--model", lm_dir, "--draft", "ngram",
                        "--prompt", "Once upon a time", "--max-new-tokens", "16")
     assert rc == 0
-    expected = greedy_text(*stories, "Once upon a time", 16)
+    expected = greedy_text(*lm, "Once upon a time", 16)
     assert len(expected) > 10
     assert out.startswith(expected)
     summary = [ln for ln in err.splitlines() if "tokens/s" in ln]
@@ -212,36 +219,33 @@ def test_generate_ngram_streams_the_greedy_continuation(capsys, stories):
     assert "16 tokens" in summary[0] and "mean accepted length" in summary[0] and "steps" in summary[0]
 
 
-@needs_stories
-def test_generate_with_head_directory_and_model_draft(capsys, stories, tmp_path):
+def test_generate_with_head_directory_and_model_draft(capsys, lm, lm_dir, tmp_path):
     """A (random) EAGLE-3 head directory and an independent draft model: still the greedy text."""
     from treespec.drafters import EagleHead
 
-    model, _ = stories
+    model, _ = lm
     torch.manual_seed(0)
     EagleHead.for_target(model, eagle3=True).save_pretrained(tmp_path / "head")
-    expected = greedy_text(*stories, "Once upon a time", 12)
-    for draft in (str(tmp_path / "head"), "model:stories260k"):
-        rc, out, err = run(capsys, "generate", "--model", "stories260k", "--draft", draft, "--tree", "cpu-tiny",
+    expected = greedy_text(*lm, "Once upon a time", 12)
+    for draft in (str(tmp_path / "head"), f"model:{lm_dir}"):
+        rc, out, err = run(capsys, "generate", "--model", lm_dir, "--draft", draft, "--tree", "cpu-tiny",
                            "--prompt", "Once upon a time", "--max-new-tokens", "12")
         assert rc == 0, err
         assert out.startswith(expected)
 
 
-@needs_stories
-def test_generate_vocabulary_mismatch(capsys, tmp_path):
+def test_generate_vocabulary_mismatch(capsys, lm_dir, tmp_path):
     from treespec.drafters import EagleHead
 
     EagleHead.for_target(tiny_model(vocab=64), eagle3=True).save_pretrained(tmp_path / "head64")
-    rc, _, err = run(capsys, "generate", "--model", "stories260k", "--draft", str(tmp_path / "head64"),
+    rc, _, err = run(capsys, "generate", "--model", lm_dir, "--draft", str(tmp_path / "head64"),
                      "--prompt", "Hi")
     assert rc == 2
     assert "vocabulary mismatch" in error_line(err)
 
 
-@needs_stories
-def test_generate_chat_needs_a_template(capsys):
-    rc, _, err = run(capsys, "generate", "--model", "stories260k", "--draft", "ngram", "--chat", "Hi")
+def test_generate_chat_needs_a_template(capsys, lm_dir):
+    rc, _, err = run(capsys, "generate", "--model", lm_dir, "--draft", "ngram", "--chat", "Hi")
     assert rc == 2
     assert "no chat template" in error_line(err)
 
@@ -256,11 +260,10 @@ def tiny_dataset(tmp_path):
     return f
 
 
-@needs_stories
-def test_bench_greedy_json_and_plots(capsys, tmp_path, tiny_dataset):
+def test_bench_greedy_json_and_plots(capsys, tmp_path, tiny_dataset, lm_dir):
     out = tmp_path / "r.json"
     rc, stdout, err = run(
-        capsys, "bench", "--model", "stories260k", "--dataset", str(tiny_dataset), "--prompt-field", "text",
+        capsys, "bench", "--model", lm_dir, "--dataset", str(tiny_dataset), "--prompt-field", "text",
         "--num-prompts", "2", "--max-new-tokens", "8", "--draft", "ngram", "--tree", "cpu",
         "--out", str(out), "--plot-dir", str(tmp_path / "plots"),
     )
@@ -269,7 +272,7 @@ def test_bench_greedy_json_and_plots(capsys, tmp_path, tiny_dataset):
     for key in ("command", "machine", "settings", "configs", "prompts", "mismatches", "notes"):
         assert key in data
     assert data["machine"]["cpu_count"] >= 1 and data["machine"]["torch"] == torch.__version__
-    assert data["command"].startswith("treespec bench --model stories260k")
+    assert data["command"].startswith("treespec bench --model ")
     names = [c["name"] for c in data["configs"]]
     assert names == ["hf-generate", "hf-prompt-lookup-3", "ngram/chain-3", "ngram/cpu"]
     assert data["mismatches"] == 0
@@ -292,29 +295,27 @@ def test_bench_greedy_json_and_plots(capsys, tmp_path, tiny_dataset):
     assert "\r" not in text and "%|" not in text and text.splitlines()[1] in stdout
 
 
-@needs_stories
-def test_bench_mismatch_exits_nonzero(capsys, monkeypatch, tiny_dataset):
+def test_bench_mismatch_exits_nonzero(capsys, monkeypatch, tiny_dataset, lm_dir):
     import treespec.bench as bench
 
     real = bench.ts_generate
 
     def off_by_one(*a, **kw):
         out = real(*a, **kw)
-        out.sequences[0][-1] = (out.sequences[0][-1] + 1) % 512
+        out.sequences[0][-1] = (out.sequences[0][-1] + 1) % 320  # the tiny vocabulary
         return out
 
     monkeypatch.setattr(bench, "ts_generate", off_by_one)
-    rc, _, err = run(capsys, "bench", "--model", "stories260k", "--dataset", str(tiny_dataset), "--prompt-field",
+    rc, _, err = run(capsys, "bench", "--model", lm_dir, "--dataset", str(tiny_dataset), "--prompt-field",
                      "text", "--num-prompts", "2", "--max-new-tokens", "4", "--config", "ngram@chain-2",
                      "--no-warmup", "--no-hf-lookup")
     assert rc == 1
     assert "differs from HF generate" in err and "first prompt 0" in err
 
 
-@needs_stories
-def test_bench_sampling_skips_prompt_lookup(capsys, tmp_path, tiny_dataset):
+def test_bench_sampling_skips_prompt_lookup(capsys, tmp_path, tiny_dataset, lm_dir):
     out = tmp_path / "s.json"
-    rc, stdout, err = run(capsys, "bench", "--model", "stories260k", "--dataset", str(tiny_dataset),
+    rc, stdout, err = run(capsys, "bench", "--model", lm_dir, "--dataset", str(tiny_dataset),
                           "--prompt-field", "text", "--num-prompts", "1", "--max-new-tokens", "4",
                           "--config", "ngram@cpu-tiny", "--temperature", "0.7", "--no-warmup", "--out", str(out))
     assert rc == 0, err
@@ -356,13 +357,12 @@ def test_tree_show_prompt_ngram(capsys, tmp_path):
     assert 1 <= drafted <= 25
 
 
-@needs_stories
-def test_tree_show_prompt_highlights_the_accepted_path(capsys, tmp_path):
+def test_tree_show_prompt_highlights_the_accepted_path(capsys, tmp_path, lm_dir):
     """An identical copy of the target as the draft: its top-1 branch is the target's greedy
     continuation, so the whole depth of the tree is accepted."""
     png = tmp_path / "c.png"
-    rc, out, err = run(capsys, "tree", "show", "cpu", "--prompt", "Once upon a time", "--model", "stories260k",
-                       "--draft", "model:stories260k", "--out", str(png))
+    rc, out, err = run(capsys, "tree", "show", "cpu", "--prompt", "Once upon a time", "--model", lm_dir,
+                       "--draft", f"model:{lm_dir}", "--out", str(png))
     assert rc == 0, err
     assert png.read_bytes()[:8] == PNG
     assert "16 drafted nodes, 5 accepted" in out

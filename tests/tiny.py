@@ -55,3 +55,35 @@ def dynamic_configs(max_top_k: int, max_nodes: int):
         return TreeConfig.dynamic(depth, k, draw(st.integers(1, min(pool, max_nodes))))
 
     return build()
+
+
+# A few sentences to train the tiny tokenizer's merges on: enough for words to be tokens.
+_CORPUS = [
+    "Once upon a time, there was a little girl named Lily. She loved to play outside in the park.",
+    "One day, a big dog ran to the park to play. Tom and Lily and Tom saw the dog.",
+    "She saw a big red ball. The sun was hot. Lily went inside. He liked it a lot.",
+]
+
+
+def save_tiny_lm(path, seed: int = 0, layers: int = 5):
+    """A tiny random llama with a small byte-level BPE tokenizer (no chat template), saved as
+    a model folder that ``treespec.models.load`` and the CLI's ``--model`` read (5 layers by
+    default, enough for an EAGLE-3 head's three feature layers): end-to-end
+    tests that need text in and text out without a download or the shared/ folder."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.train_from_iterator(_CORPUS, trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<s>", "</s>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))  # every byte: any text encodes
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>")
+    model = tiny_model("llama", seed=seed, vocab=len(tok), layers=layers, bos_token_id=tok.bos_token_id)
+    path = Path(path)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
