@@ -274,12 +274,16 @@ def test_bench_greedy_json_and_plots(capsys, tmp_path, tiny_dataset, lm_dir):
     assert data["machine"]["cpu_count"] >= 1 and data["machine"]["torch"] == torch.__version__
     assert data["command"].startswith("treespec bench --model ")
     names = [c["name"] for c in data["configs"]]
-    assert names == ["hf-generate", "hf-prompt-lookup-3", "ngram/chain-3", "ngram/cpu"]
-    assert data["mismatches"] == 0
+    # CPU default: packed weights, so HF generate and treespec without a draft run on them too
+    assert names == ["hf-generate", "hf-generate+fast", "treespec-ar", "hf-prompt-lookup-3", "ngram/chain-3",
+                     "ngram/cpu"]
+    assert data["settings"]["fast_path"] == "oneDNN-packed linear weights"
+    assert data["best_baseline"] in names[:3]
+    assert data["mismatches"] == 0 and data["unexplained_mismatches"] == 0
     assert all(c["mismatches"] == 0 for c in data["configs"])
     base = data["configs"][0]
     assert base["speedup"] == pytest.approx(1.0) and base["total_tokens"] == 16
-    for c in data["configs"][2:]:
+    for c in data["configs"][4:]:
         assert c["total_tokens"] == 16 and c["tokens_per_second"] > 0
         assert 1.0 <= c["mean_accepted_length"] <= 1 + c["tree_tokens_per_verify"]
         rates = c["acceptance_rate_by_position"]
@@ -308,9 +312,9 @@ def test_bench_mismatch_exits_nonzero(capsys, monkeypatch, tiny_dataset, lm_dir)
     monkeypatch.setattr(bench, "ts_generate", off_by_one)
     rc, _, err = run(capsys, "bench", "--model", lm_dir, "--dataset", str(tiny_dataset), "--prompt-field",
                      "text", "--num-prompts", "2", "--max-new-tokens", "4", "--config", "ngram@chain-2",
-                     "--no-warmup", "--no-hf-lookup")
+                     "--no-warmup", "--no-hf-lookup", "--no-pack")
     assert rc == 1
-    assert "differs from HF generate" in err and "first prompt 0" in err
+    assert "differs from HF generate" in err and "ngram/chain-2 on 2 prompt(s)" in err
 
 
 def test_bench_sampling_skips_prompt_lookup(capsys, tmp_path, tiny_dataset, lm_dir):

@@ -34,7 +34,10 @@ from typing import Callable, Sequence
 
 import torch
 
+import contextlib
+
 from .config import TreeConfig
+from .divergence import NEAR_TIE_TOLERANCE, Divergence, classify_divergence, fp32_reference
 from .data import dataset_path
 from .data import read_jsonl as _read_jsonl
 from .drafters.base import Drafter
@@ -52,6 +55,7 @@ log = logging.getLogger(__name__)
 HF_GENERATE = "hf-generate"
 HF_LOOKUP = "hf-prompt-lookup"
 TREESPEC = "treespec"
+TREESPEC_AR = "treespec-ar"
 
 #: built-in datasets: name -> (packaged dataset in treespec.data, prompt field, chat instruction)
 DATASETS = {
@@ -74,6 +78,9 @@ class BenchConfig:
     kind:   ``"hf-generate"`` (the baseline; always runs first), ``"hf-prompt-lookup"``
             (assisted generation with ``prompt_lookup_num_tokens=lookup_tokens``, greedy
             only) or ``"treespec"`` (``drafter`` with ``tree``).
+    fast:   runs inside the benchmark's fast path (e.g. oneDNN-packed weights), when it
+            has one. Plain ``hf-generate`` never does: it is the baseline a user has
+            without treespec; ``hf-generate+fast`` is the same with the fast path.
     """
 
     name: str
@@ -83,6 +90,7 @@ class BenchConfig:
     lookup_tokens: int = 3
     draft_name: str | None = None
     tree_name: str | None = None
+    fast: bool = True
 
     def __post_init__(self):
         if self.kind not in (HF_GENERATE, HF_LOOKUP, TREESPEC):
@@ -93,8 +101,16 @@ class BenchConfig:
             raise ValueError(f"prompt lookup needs lookup_tokens >= 1, got {self.lookup_tokens}")
 
     @classmethod
-    def hf_generate(cls) -> "BenchConfig":
-        return cls(HF_GENERATE, HF_GENERATE)
+    def hf_generate(cls, fast: bool = False) -> "BenchConfig":
+        return cls(f"{HF_GENERATE}+fast" if fast else HF_GENERATE, HF_GENERATE, fast=fast)
+
+    @classmethod
+    def treespec_ar(cls) -> "BenchConfig":
+        """treespec without speculation (every tree is the root alone): autoregressive
+        decoding through treespec's runner and fast path, a baseline for speculation."""
+        from .drafters.none import NoDrafter
+
+        return cls(TREESPEC_AR, TREESPEC, NoDrafter(), TreeConfig.chain(1), draft_name="none", tree_name="root only")
 
     @classmethod
     def hf_lookup(cls, k: int = 3) -> "BenchConfig":
@@ -113,6 +129,10 @@ class BenchConfig:
             d.update(draft=self.draft_name, drafter=repr(self.drafter), tree=self.tree_name,
                      tree_config=self.tree.describe(), tree_tokens_per_verify=self.tree.max_tree_tokens)
         return d
+
+    @property
+    def speculates(self) -> bool:
+        return self.kind == HF_LOOKUP or (self.kind == TREESPEC and self.name != TREESPEC_AR)
 
 
 # ---- prompts ----------------------------------------------------------------------------
@@ -205,7 +225,13 @@ class ConfigResult:
     runs: list[RunRecord] = field(default_factory=list)
     mismatches: list[int] = field(default_factory=list)  # prompt indices, greedy only
     first_diff: dict[int, int] = field(default_factory=dict)  # prompt -> first differing token
+    divergences: dict[int, Divergence] = field(default_factory=dict)  # prompt -> fp32 judgement
     skipped: str | None = None
+
+    @property
+    def unexplained(self) -> list[int]:
+        """Prompts whose greedy output left HF generate's other than at a rounding near-tie."""
+        return [i for i in self.mismatches if not (i in self.divergences and self.divergences[i].near_tie)]
 
 
 @dataclass
@@ -216,6 +242,8 @@ class BenchResult:
     max_new_tokens: int
     seed: int | None
     notes: list[str] = field(default_factory=list)
+    dtype: str = "float32"
+    fast_path: str | None = None
 
     @property
     def baseline(self) -> ConfigResult:
@@ -225,6 +253,11 @@ class BenchResult:
     def treespec_mismatches(self) -> int:
         """Prompts on which a treespec configuration's greedy output differs from HF's."""
         return sum(len(r.mismatches) for r in self.results if r.config.kind == TREESPEC)
+
+    @property
+    def treespec_unexplained(self) -> int:
+        """Of those, the ones that are not rounding near-ties (must be 0)."""
+        return sum(len(r.unexplained) for r in self.results if r.config.kind == TREESPEC)
 
 
 def _generation_config(model, max_new_tokens: int, sp: SamplingParams, lookup: int | None):
@@ -246,7 +279,13 @@ def _generation_config(model, max_new_tokens: int, sp: SamplingParams, lookup: i
 
 
 def _run_one(model, cfg: BenchConfig, prompt: list[int], max_new_tokens: int, sp: SamplingParams,
-             seed: int | None, backend: str) -> RunRecord:
+             seed: int | None, backend: str, fast_path=None) -> RunRecord:
+    with fast_path if (fast_path is not None and cfg.fast) else contextlib.nullcontext():
+        return _run_one_inner(model, cfg, prompt, max_new_tokens, sp, seed, backend)
+
+
+def _run_one_inner(model, cfg: BenchConfig, prompt: list[int], max_new_tokens: int, sp: SamplingParams,
+                   seed: int | None, backend: str) -> RunRecord:
     if cfg.kind == TREESPEC:
         t0 = time.perf_counter()
         out = ts_generate(
@@ -288,6 +327,8 @@ def run_bench(
     warmup: bool = True,
     attention_backend: str = "auto",
     callback: Callable[[Progress], None] | None = None,
+    fast_path=None,
+    near_tie_tolerance: float | None = None,
 ) -> BenchResult:
     """Run every configuration on every prompt (configurations inner, prompts outer).
 
@@ -299,6 +340,13 @@ def run_bench(
         seed:     prompt i is sampled with seed ``seed + i`` in every configuration.
         warmup:   one untimed generate per configuration on a short prompt first (first
                   calls run several times slower: allocations, kernel selection).
+        fast_path: a context manager (e.g. :class:`~treespec.packing.PackedLinears`) that
+                  every configuration with ``fast=True`` runs inside; plain HF generate
+                  runs outside it. Give it with ``BenchConfig.hf_generate(fast=True)`` and
+                  ``BenchConfig.treespec_ar()`` among the configs so that speculation is
+                  compared with non-speculative decoding that has the same advantage.
+        near_tie_tolerance: greedy differences from HF generate are judged in fp32
+                  (:mod:`treespec.divergence`); default by the model's dtype.
     """
     sp = SamplingParams(temperature, top_k, top_p, min_p)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -306,8 +354,8 @@ def run_bench(
     if not prompts:
         raise ValueError("run_bench needs at least one prompt")
     configs = list(configs)
-    base = [c for c in configs if c.kind == HF_GENERATE]
-    configs = base[:1] + [c for c in configs if c.kind != HF_GENERATE] if base else [BenchConfig.hf_generate(), *configs]
+    plain = BenchConfig.hf_generate()
+    configs = [plain] + [c for c in configs if c != plain]
     names = [c.name for c in configs]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
@@ -325,11 +373,14 @@ def run_bench(
     for r in results:
         if r.config.kind == TREESPEC:
             r.config.drafter.check_compatible(model)
+    dtype = next(model.parameters()).dtype
+    tolerance = near_tie_tolerance if near_tie_tolerance is not None else NEAR_TIE_TOLERANCE.get(dtype, 1.0)
+    reference = None  # the fp32 model that judges greedy differences, made on the first one
 
     if warmup:
         short = list(prompts[0][:16])
         for i, r in enumerate(active):
-            _run_one(model, r.config, short, min(16, max_new_tokens), sp, seed, attention_backend)
+            _run_one(model, r.config, short, min(16, max_new_tokens), sp, seed, attention_backend, fast_path)
             if callback:
                 callback(Progress("warmup", i + 1, len(active), r.config.name))
 
@@ -338,21 +389,26 @@ def run_bench(
         for r in active:
             if callback:
                 callback(Progress("prompts", i, len(prompts), r.config.name))
-            rec = _run_one(model, r.config, list(prompt), max_new_tokens, sp, s, attention_backend)
+            rec = _run_one(model, r.config, list(prompt), max_new_tokens, sp, s, attention_backend, fast_path)
             r.runs.append(rec)
             log.info("prompt %d %s: %d tokens, %.1f tokens/s", i, r.config.name, len(rec.tokens), rec.tokens_per_second)
             if sp.greedy and r is not results[0]:
                 ref = results[0].runs[i].tokens
                 if rec.tokens != ref:
+                    if reference is None:
+                        reference = fp32_reference(model)
+                    d = classify_divergence(reference, prompt, ref, rec.tokens, tolerance)
                     r.mismatches.append(i)
-                    r.first_diff[i] = next(
-                        (j for j, (a, b) in enumerate(zip(rec.tokens, ref)) if a != b), min(len(rec.tokens), len(ref))
-                    )
-                    log.warning("%s differs from HF generate on prompt %d at token %d",
-                                r.config.name, i, r.first_diff[i])
+                    r.first_diff[i] = d.position
+                    r.divergences[i] = d
+                    log.warning("%s differs from HF generate on prompt %d at token %d: %s (fp32 shortfall %.3g, "
+                                "tolerance %.3g)", r.config.name, i, d.position,
+                                "near-tie" if d.near_tie else "UNEXPLAINED", d.fp32_shortfall, tolerance)
         if callback:
             callback(Progress("prompts", i + 1, len(prompts), None))
-    return BenchResult([len(p) for p in prompts], results, sp, max_new_tokens, seed, notes)
+    return BenchResult([len(p) for p in prompts], results, sp, max_new_tokens, seed, notes,
+                       dtype=str(dtype).removeprefix("torch."),
+                       fast_path=getattr(fast_path, "description", None) if fast_path is not None else None)
 
 
 # ---- figures ----------------------------------------------------------------------------
@@ -376,6 +432,8 @@ def _config_figures(r: ConfigResult, base: ConfigResult) -> dict:
         speedup=tps / btps if btps > 0 else None,
         median_speedup=statistics.median(ratios) if ratios else None,
         mismatches=len(r.mismatches), first_mismatch=r.mismatches[0] if r.mismatches else None,
+        near_ties=len(r.mismatches) - len(r.unexplained), unexplained=len(r.unexplained),
+        divergences={str(i): d.describe() for i, d in r.divergences.items()},
         mean_accepted_length=None, acceptance_rate_by_position=None,
     )
     if r.config.kind == TREESPEC:
@@ -391,7 +449,7 @@ def _config_figures(r: ConfigResult, base: ConfigResult) -> dict:
         engine_total = sum(m["total_seconds"] for m in ms)
         d.update(
             mean_accepted_length=(sum(acc) + len(acc)) / max(len(acc), 1),
-            acceptance_rate_by_position=[c / max(steps, 1) for c in counts],
+            acceptance_rate_by_position=[c / max(steps, 1) for c in counts] if r.config.speculates else None,
             num_steps=sum(m["num_steps"] for m in ms),
             tree_tokens=sum(m["tree_tokens"] for m in ms),
             **split,
@@ -452,14 +510,29 @@ def to_json(res: BenchResult, **extra) -> dict:
     keys (e.g. ``command``, ``model``, ``dataset``) are merged at the top level."""
     base = res.baseline
     sp = res.sampling
+    configs = [_config_figures(r, base) for r in res.results]
+    # The fastest way to decode without speculation that ran here (plain HF generate, HF
+    # generate on the fast path, treespec with root-only trees): speculation's own share.
+    plain = [c for c, r in zip(configs, res.results) if not r.config.speculates and not c.get("skipped")]
+    best = max(plain, key=lambda c: c["tokens_per_second"])
+    for c, r in zip(configs, res.results):
+        if not c.get("skipped"):
+            c["speedup_vs_best_baseline"] = (c["tokens_per_second"] / best["tokens_per_second"]
+                                             if best["tokens_per_second"] > 0 else None)
+            ratios = [x.tokens_per_second / b.tokens_per_second
+                      for x, b in zip(r.runs, res.results[configs.index(best)].runs) if b.tokens_per_second > 0]
+            c["median_speedup_vs_best_baseline"] = statistics.median(ratios) if ratios else None
     return {
         **extra,
         "machine": machine_info(),
         "settings": {"max_new_tokens": res.max_new_tokens, "temperature": sp.temperature, "top_k": sp.top_k,
-                     "top_p": sp.top_p, "min_p": sp.min_p, "seed": res.seed, "num_prompts": len(res.prompt_lengths)},
-        "configs": [_config_figures(r, base) for r in res.results],
+                     "top_p": sp.top_p, "min_p": sp.min_p, "seed": res.seed, "num_prompts": len(res.prompt_lengths),
+                     "dtype": res.dtype, "fast_path": res.fast_path},
+        "best_baseline": best["name"],
+        "configs": configs,
         "prompts": _prompt_figures(res),
         "mismatches": res.treespec_mismatches,
+        "unexplained_mismatches": res.treespec_unexplained,
         "notes": list(res.notes),
     }
 
@@ -470,8 +543,8 @@ def _fmt(v, spec):
 
 def format_table(data: dict, max_positions: int = 5) -> str:
     """An aligned plain-text table of ``to_json``'s ``configs``."""
-    head = ["config", "tok/s", "med tok/s", "speedup", "med speedup", "tau", "accept by position", "draft",
-            "verify", "mismatch"]
+    head = ["config", "tok/s", "med tok/s", "speedup", "med speedup", f"vs {data.get('best_baseline', '-')}",
+            "tau", "accept by position", "draft", "verify", "mismatch"]
     greedy = data["settings"]["temperature"] == 0
     rows, skipped = [], []
     for c in data["configs"]:
@@ -483,11 +556,14 @@ def format_table(data: dict, max_positions: int = 5) -> str:
         if not greedy or c["kind"] == HF_GENERATE:
             mm = "-"
         else:
-            mm = f"{c['mismatches']} (first: prompt {c['first_mismatch']})" if c["mismatches"] else "0"
+            mm = "0"
+            if c["mismatches"]:
+                mm = f"{c['mismatches']}: {c.get('near_ties', 0)} near-tie, {c.get('unexplained', c['mismatches'])} unexplained"
         rows.append([
             c["name"], _fmt(c["tokens_per_second"], ".1f"), _fmt(c["median_tokens_per_second"], ".1f"),
             _fmt(c["speedup"], ".2f") + ("x" if c["speedup"] is not None else ""),
             _fmt(c["median_speedup"], ".2f") + ("x" if c["median_speedup"] is not None else ""),
+            _fmt(c.get("speedup_vs_best_baseline"), ".2f") + ("x" if c.get("speedup_vs_best_baseline") is not None else ""),
             _fmt(c["mean_accepted_length"], ".2f"),
             "-" if acc is None else " ".join(f"{a:.2f}" for a in acc[:max_positions])
             + (" ..." if len(acc) > max_positions else ""),
@@ -496,7 +572,7 @@ def format_table(data: dict, max_positions: int = 5) -> str:
             mm,
         ])
     widths = [max(len(r[j]) for r in [head] + rows) for j in range(len(head))]
-    left = {0, 6}  # names and the position list read left to right; numbers align right
+    left = {0, 7}  # names and the position list read left to right; numbers align right
 
     def line(r):
         return "  ".join(f"{v:<{w}}" if j in left else f"{v:>{w}}" for j, (v, w) in enumerate(zip(r, widths))).rstrip()

@@ -211,9 +211,14 @@ def _resolve_draft(draft) -> Drafter:
         from .drafters.ngram import NgramDrafter
 
         return NgramDrafter()
+    if isinstance(draft, str) and draft == "none":
+        from .drafters.none import NoDrafter
+
+        return NoDrafter()
+    got = repr(draft) if isinstance(draft, str) else type(draft).__name__
     raise ValueError(
-        f"draft must be a treespec Drafter (ModelDrafter, NgramDrafter, EagleDrafter, ...) "
-        f"or 'ngram', got {type(draft).__name__}"
+        f"draft must be a treespec Drafter (ModelDrafter, NgramDrafter, EagleDrafter, ...), "
+        f"'ngram' or 'none', got {got}"
     )
 
 
@@ -494,7 +499,8 @@ def generate(
         model:      a transformers causal LM (llama, qwen2, qwen3, mistral families), used as
                     is; its attention implementation is restored before this returns.
         draft:      a :class:`~treespec.drafters.base.Drafter` (``ModelDrafter``,
-                    ``NgramDrafter``, ``EagleDrafter``, ``Eagle3Drafter``) or ``"ngram"``.
+                    ``NgramDrafter``, ``EagleDrafter``, ``Eagle3Drafter``), ``"ngram"`` or ``"none"``
+                    (no speculation: autoregressive decoding through treespec's runner).
         tree_cfg:   a :class:`TreeConfig` or a preset name (``treespec.PRESETS``).
         input_ids:  one prompt (1-D tensor or list of ints) or a list of prompts of any lengths.
         max_new_tokens: per request; EOS (``eos_token_id`` or the model's generation config)

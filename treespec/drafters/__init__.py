@@ -3,6 +3,7 @@
 from .base import DraftSession, DraftStart, Drafter
 from .model import ModelDrafter
 from .ngram import NgramDrafter
+from .none import NoDrafter
 from .eagle import Eagle3Drafter, EagleDrafter, EagleHead, load_draft
 
-__all__ = ["Drafter", "DraftSession", "DraftStart", "ModelDrafter", "NgramDrafter", "EagleDrafter", "Eagle3Drafter", "EagleHead", "load_draft"]
+__all__ = ["Drafter", "DraftSession", "DraftStart", "ModelDrafter", "NgramDrafter", "NoDrafter", "EagleDrafter", "Eagle3Drafter", "EagleHead", "load_draft"]

@@ -1,0 +1,135 @@
+"""oneDNN-packed linear weights: the CPU fast path for a verify forward.
+
+A transformer's forward on a CPU at batch 1 is its ``nn.Linear`` layers: for
+SmolLM2-135M, 211 weight matrices read once per forward. PyTorch's eager ``F.linear``
+hands fp32 to MKL's ``sgemm``, whose small-M (2-16 rows) kernels are several times
+slower than one row on some CPUs (AMD Zen 4 measured, see docs/benchmarks.md), and bf16
+to oneDNN, which reorders the weight into its blocked layout again at every call. Packing
+each weight once into oneDNN's layout (``torch.ops.mkldnn._reorder_linear_weight``, what
+inductor's weight prepacking does) and calling ``_linear_pointwise`` removes both: the
+forward of 16 tree tokens then costs little more than the forward of one.
+
+    packed = PackedLinears(model)     # start-up: packs every nn.Linear (~0.5 s for 135M)
+    with packed:                      # the model's Linear layers run on the packed copies
+        treespec.generate(model, ...)
+        model.generate(...)           # the same advantage for the baseline
+
+The output is the same computation (bf16: bit-identical logits measured; fp32: within
+1e-4, oneDNN and MKL sum in different orders). The packed copies double the memory of
+the linear weights while they exist. CPU only, fp32 and bf16.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import nn
+
+__all__ = ["PackedLinear", "PackedLinears", "packing_supported", "native_bf16", "default_dtype"]
+
+log = logging.getLogger(__name__)
+
+#: rows a verify forward typically runs; oneDNN chooses its blocked layout for this M.
+DEFAULT_BATCH_HINT = 16
+
+
+def packing_supported(model) -> bool:
+    """Whether ``model``'s linear layers can run on oneDNN-packed weights here."""
+    p = next(model.parameters())
+    return p.device.type == "cpu" and p.dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+
+
+class PackedLinear(nn.Module):
+    """An ``nn.Linear`` whose forward runs on a oneDNN-packed copy of its weight.
+
+    ``weight`` and ``bias`` are the original parameters (shared, not copied), so a state
+    dict or a tied embedding is unchanged; ``packed`` is oneDNN's opaque layout.
+    """
+
+    def __init__(self, linear: nn.Linear, batch_hint: int = DEFAULT_BATCH_HINT):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
+
+
+class PackedLinears:
+    """Packed copies of every ``nn.Linear`` of ``model``, swapped in by ``with``.
+
+    Packing happens once, here; entering and leaving the ``with`` block only swaps module
+    references (microseconds), so a benchmark can run the plain model and the packed one
+    side by side. On leaving, the model holds exactly its original modules again, also
+    after an exception.
+
+    Args:
+        model:      a CPU model in float32 or bfloat16.
+        batch_hint: the number of rows oneDNN optimises the layout for (any count runs).
+    """
+
+    description = "oneDNN-packed linear weights"
+
+    def __init__(self, model: nn.Module, batch_hint: int = DEFAULT_BATCH_HINT):
+        if not packing_supported(model):
+            p = next(model.parameters())
+            raise ValueError(
+                f"packed weights need a CPU model in float32 or bfloat16 with oneDNN available; "
+                f"this one is {p.dtype} on {p.device} (mkldnn available: "
+                f"{torch.backends.mkldnn.is_available()}): run it without packing"
+            )
+        t0 = time.perf_counter()
+        self.model = model
+        # (parent module, attribute name, original Linear, packed replacement)
+        self._swaps: list[tuple[nn.Module, str, nn.Linear, PackedLinear]] = []
+        with torch.inference_mode():
+            for parent in model.modules():
+                for name, child in parent.named_children():
+                    if type(child) is nn.Linear:
+                        self._swaps.append((parent, name, child, PackedLinear(child, batch_hint)))
+        self._depth = 0
+        self.pack_seconds = time.perf_counter() - t0
+        log.info("packed %d linear layers for oneDNN in %.2f s", len(self._swaps), self.pack_seconds)
+
+    def __len__(self) -> int:
+        return len(self._swaps)
+
+    def __enter__(self) -> "PackedLinears":
+        if self._depth == 0:
+            for parent, name, _, packed in self._swaps:
+                setattr(parent, name, packed)
+        self._depth += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            for parent, name, linear, _ in self._swaps:
+                setattr(parent, name, linear)
+
+
+def native_bf16() -> bool:
+    """Whether this CPU computes bf16 matrix products in hardware (AVX512-BF16 or AMX).
+
+    Without it oneDNN emulates bf16 with fp32 arithmetic plus conversions, slower than fp32.
+    """
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def default_dtype(device: str = "cpu") -> torch.dtype:
+    """bf16 on a GPU and on a CPU with native bf16 (measured 1.6x faster per forward on
+    AMD Zen 4, docs/benchmarks.md), else fp32."""
+    if torch.device(device).type == "cuda" or native_bf16():
+        return torch.bfloat16
+    return torch.float32
