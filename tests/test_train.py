@@ -1,6 +1,7 @@
-"""The EAGLE trainer on stories260K: data handling, the training-time-test masks, a short
-end-to-end run (self-distilled and teacher-forced examples), resume, and the saved head
-loading back into a lossless drafter."""
+"""The EAGLE trainer: data handling, the training-time-test masks, the packaged training
+prompts, and a short end-to-end run (self-distilled and teacher-forced examples), resume
+and the saved head loading back into a lossless drafter, on a tiny model folder the tests
+build (``tiny.save_tiny_lm``)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from treespec.train import TrainConfig, train_eagle
 from treespec.train.data import DataStats, read_jsonl
 from treespec.train.trainer import _ttt_masks, draft_vocabulary
 
-needs_stories = pytest.mark.skipif(models.shared_dir() is None, reason="stories260K needs the project's shared/ folder")
+from tiny import save_tiny_lm
 
 
 @pytest.fixture(autouse=True)
@@ -78,9 +79,18 @@ def test_draft_vocabulary_is_sorted_and_consistent():
     assert t2d.nonzero().flatten().tolist() == [5, 9, 11]
 
 
-@needs_stories
+def test_read_jsonl_takes_a_packaged_dataset_name():
+    stats = DataStats()
+    examples = read_jsonl("gsm8k-train", limit=3, stats=stats)
+    assert len(examples) == 3 and stats.used == 3
+    assert examples[0].messages[0]["content"].startswith("Natalia sold clips")
+    assert examples[0].answer.endswith("#### 72")
+    with pytest.raises(FileNotFoundError, match="gsm8k-train"):
+        read_jsonl("gsm8k-tran")
+
+
 def test_train_end_to_end_resume_and_load(tmp_path):
-    model, tok = models.load("stories260k")
+    model, tok = models.load(save_tiny_lm(tmp_path / "lm"))
     data = write(tmp_path / "d.jsonl", [json.dumps({"question": "Tom had a ball.", "answer": "He liked it a lot."}),
                                         json.dumps({"text": "Once upon a time there was a little girl named Lily."}),
                                         json.dumps({"text": "One day, a big dog ran to the park to play."}),
