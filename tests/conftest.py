@@ -5,8 +5,9 @@ import torch
 
 
 @pytest.fixture
-def one_thread():
+def one_thread(monkeypatch):
     """Tiny models run faster on one thread, and tests then leave the other core alone."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # so that the command line's default is one thread too
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

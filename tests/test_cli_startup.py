@@ -181,6 +181,13 @@ def test_physical_cores_count_hyperthreads_once(tmp_path):
     assert threads.physical_cores([0, 7], sysfs=tmp_path) == 2  # unknown topology: count the CPUs
 
 
+def test_default_threads_follow_omp_num_threads(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert threads.default_threads() == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "")
+    assert threads.default_threads() == min(threads.physical_cores(), threads._cgroup_cpu_limit() or 10 ** 6)
+
+
 def test_cgroup_quota(tmp_path):
     (tmp_path / "cpu.max").write_text("150000 100000\n")
     assert threads._cgroup_cpu_limit(tmp_path) == 2

@@ -51,8 +51,11 @@ def physical_cores(cpus: list[int] | None = None, sysfs: Path = Path("/sys/devic
 
 
 def default_threads() -> int:
-    """torch threads to use when the user names none: one per physical core this process may
-    use, within a cgroup CPU quota."""
+    """torch threads to use when the user names none: ``$OMP_NUM_THREADS`` where set (as torch
+    itself reads it), else one per physical core this process may use, within a cgroup quota."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
     n = physical_cores()
     limit = _cgroup_cpu_limit()
     return max(1, min(n, limit) if limit else n)
