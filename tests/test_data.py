@@ -5,6 +5,7 @@ from __future__ import annotations
 import fnmatch
 import gzip
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -66,11 +67,18 @@ def test_bench_datasets_need_no_shared_folder(monkeypatch, tmp_path):
         assert path.is_file() and path.parent == Path(data.__file__).parent
 
 
-@pytest.mark.skipif(sys.version_info < (3, 11), reason="tomllib is Python 3.11+")
-def test_pyproject_package_data_carries_every_data_file():
-    import tomllib
+def _package_data_patterns() -> list[str]:
+    text = (ROOT / "pyproject.toml").read_text()
+    if sys.version_info >= (3, 11):
+        import tomllib
 
-    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["treespec"]
+        return tomllib.loads(text)["tool"]["setuptools"]["package-data"]["treespec"]
+    section = text.split("[tool.setuptools.package-data]", 1)[1]  # Python 3.10: no tomllib
+    return json.loads(re.search(r"^treespec\s*=\s*(\[.*?\])", section, re.M | re.S).group(1))
+
+
+def test_pyproject_package_data_carries_every_data_file():
+    patterns = _package_data_patterns()
     folder = Path(data.__file__).parent
     files = [p.relative_to(folder.parent).as_posix() for p in folder.iterdir()
              if p.is_file() and p.suffix != ".py" and p.name != "__pycache__"]
