@@ -144,13 +144,13 @@ def test_doc_blocks_run(name, doc_env, record_property):
 
 
 def test_every_block_is_accounted_for():
-    """The inventory: every file's blocks either run or are marked no-run; the pages that
-    show the real model's API do run it."""
+    """The inventory: what runs and what is marked no-run. The first pages a user pastes
+    from (README, quickstart) hold no no-run block, and they run the real model."""
     total = sum(len(b) for b in BLOCKS.values())
-    runnable = sum(b.run for bs in BLOCKS.values() for b in bs)
-    print(f"{total} python blocks in {len(BLOCKS)} files: {runnable} run, {total - runnable} marked no-run")
-    assert runnable == total  # every block in the docs runs today; a no-run block is a deliberate change
+    no_run = [f"{b.file}:{b.line}" for bs in BLOCKS.values() for b in bs if not b.run]
+    print(f"{total} python blocks in {len(BLOCKS)} files: {total - len(no_run)} run; marked no-run: {no_run or 'none'}")
     for name in ("README.md", "docs/quickstart.md"):
+        assert BLOCKS[name] and all(b.run for b in BLOCKS[name]), name
         assert _needs_real_model(BLOCKS[name]), name
     assert {"README.md", "docs/quickstart.md", "docs/trees.md", "docs/drafters.md"} <= {
         n for n, bs in BLOCKS.items() if any(b.run for b in bs)}
