@@ -14,7 +14,7 @@ question i before question i+1):
 
 on SmolLM2-135M-Instruct (``smollm2-135m-instruct``, fetched on first use) with its shipped
 EAGLE-3 head (``smollm2-135m-instruct-eagle``), the first N questions of GSM8K test
-(``shared/data/gsm8k_test.jsonl``, chat template), 256 new tokens, greedy; each output is
+(packaged with treespec, ``treespec.data``; chat template), 256 new tokens, greedy; each output is
 checked token for token against HF generate's. It writes
 
     benchmarks/results/cpu-<model>-gsm8k.json                     machine, command, per-config and per-prompt figures
