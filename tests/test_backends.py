@@ -67,6 +67,10 @@ def test_flashinfer_plan_args_match_torch_plan(prefixes, masks, page_size, shuff
     cache, batch = build_batch(prefixes, masks, page_size, shuffle_seed)
     plan = batch.plan
     args = flashinfer_plan_args(batch)
+    gather = _index(plan.gather_slots)
+    if isinstance(plan.gather_slots, slice):  # one request on consecutive slots: read as a view
+        assert len(prefixes) == 1
+        gather = gather[None]
     for t in (args.qo_indptr, args.kv_indptr, args.kv_indices, args.kv_last_page_len):
         assert t.dtype == torch.int32
     n = [m.shape[0] for m, _ in masks]
@@ -81,14 +85,29 @@ def test_flashinfer_plan_args_match_torch_plan(prefixes, masks, page_size, shuff
         assert len(pages) == -(-kv[b] // page_size)
         slots = [p * page_size + o for p in pages[:-1] for o in range(page_size)]
         slots += [pages[-1] * page_size + o for o in range(last)]
-        assert slots == plan.gather_slots[b, : kv[b]].tolist()
+        assert slots == gather[b, : kv[b]].tolist()
         block = args.custom_mask[off: off + n[b] * kv[b]].reshape(n[b], kv[b])
         assert torch.equal(block, plan.mask[b, 0, : n[b], : kv[b]].cpu())
         off += n[b] * kv[b]
     assert off == args.custom_mask.numel()
     # The new tokens' write slots are the last n_b slots of each request's span.
-    want = torch.cat([plan.gather_slots[b, kv[b] - n[b]: kv[b]] for b in range(len(prefixes))])
-    assert torch.equal(batch.write_slots, want)
+    want = torch.cat([gather[b, kv[b] - n[b]: kv[b]] for b in range(len(prefixes))])
+    assert torch.equal(_index(batch.write_slots), want)
+
+
+def _index(slots):
+    """A slot index as a tensor (the plan keeps consecutive slots as a slice)."""
+    return torch.arange(slots.start, slots.stop) if isinstance(slots, slice) else slots
+
+
+def test_consecutive_slots_become_slices():
+    from treespec.kv_cache import as_slice
+
+    assert as_slice(torch.tensor([4, 5, 6])) == slice(4, 7)
+    assert as_slice(torch.tensor([9])) == slice(9, 10)
+    for t in (torch.tensor([4, 6, 7]), torch.tensor([3, 2, 4]), torch.tensor([], dtype=torch.int64),
+              torch.tensor([[1, 2]])):
+        assert as_slice(t) is t
 
 
 def test_plan_args_agree_with_flat_batch_mask():

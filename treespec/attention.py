@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from .kv_cache import PagedKVCache
+from .kv_cache import PagedKVCache, as_slice
 
 __all__ = ["ForwardBatch", "TorchBackend", "FlashInferBackend", "get_backend", "ATTENTION_NAME"]
 
@@ -40,7 +40,8 @@ class ForwardBatch:
         prefix_lens:  int64 ``[B]`` fully visible cached tokens.
         local_masks:  B bool masks ``[n_b, m_b]``.
         kv_lens:      int64 ``[B]`` = prefix + m.
-        write_slots:  int64 ``[T]`` flat cache slot of each packed new token.
+        write_slots:  int64 ``[T]`` flat cache slot of each packed new token, or the same
+                      as a slice when consecutive.
         key_positions / query_positions: RoPE positions, for sliding windows (torch backend).
         plan:         the backend's per-forward data.
     """
@@ -50,7 +51,7 @@ class ForwardBatch:
     prefix_lens: torch.Tensor
     local_masks: list[torch.Tensor]
     kv_lens: torch.Tensor
-    write_slots: torch.Tensor
+    write_slots: torch.Tensor | slice
     key_positions: list[torch.Tensor]
     backend: "AttentionBackend"
     plan: object = None
@@ -81,7 +82,7 @@ def make_batch(
         prefix_lens=torch.as_tensor(list(prefix_lens), dtype=torch.int64),
         local_masks=list(local_masks),
         kv_lens=torch.tensor(kv_lens, dtype=torch.int64),
-        write_slots=torch.cat(writes),
+        write_slots=as_slice(torch.cat(writes)),
         key_positions=list(key_positions),
         backend=backend,
     )
@@ -102,7 +103,7 @@ class AttentionBackend:
 
 @dataclass
 class TorchPlan:
-    gather_slots: torch.Tensor  # int64 [B, kv_max], padded with slot 0
+    gather_slots: torch.Tensor | slice  # int64 [B, kv_max], padded with slot 0; a slice when B = 1 and consecutive
     mask: torch.Tensor  # bool [B, 1, n_max, kv_max]
     q_index: torch.Tensor  # int64 [T]: packed token -> b * n_max + i
     n_max: int
@@ -137,8 +138,9 @@ class TorchBackend(AttentionBackend):
             qpos[b, : n[b]] = kp[kp.numel() - n[b] :]
             q_index.append(b * n_max + torch.arange(n[b]))
         dev = cache.device
+        span = as_slice(gather[0]) if B == 1 else None
         return TorchPlan(
-            gather_slots=gather,
+            gather_slots=span if isinstance(span, slice) else gather,
             mask=mask[:, None].to(dev),
             q_index=torch.cat(q_index).to(dev),
             n_max=n_max,
@@ -154,6 +156,8 @@ class TorchBackend(AttentionBackend):
         qp[p.q_index] = q
         qp = qp.view(B, p.n_max, H, D).transpose(1, 2)  # [B, H, n_max, D]
         k, v = batch.cache.gather(layer, p.gather_slots)  # [B, kv_max, Hkv, D]
+        if isinstance(p.gather_slots, slice):
+            k, v = k[None], v[None]
         k, v = k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype)
         mask = p.mask
         if sliding_window is not None:
