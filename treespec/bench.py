@@ -91,6 +91,7 @@ class BenchConfig:
     draft_name: str | None = None
     tree_name: str | None = None
     fast: bool = True
+    compiled: bool = False  # hf-generate: static cache + torch.compile (transformers' own path)
 
     def __post_init__(self):
         if self.kind not in (HF_GENERATE, HF_LOOKUP, TREESPEC):
@@ -103,6 +104,12 @@ class BenchConfig:
     @classmethod
     def hf_generate(cls, fast: bool = False) -> "BenchConfig":
         return cls(f"{HF_GENERATE}+fast" if fast else HF_GENERATE, HF_GENERATE, fast=fast)
+
+    @classmethod
+    def hf_generate_compiled(cls) -> "BenchConfig":
+        """HF generate with a static cache and ``torch.compile`` of the forward (transformers
+        compiles on CPU only when asked): the first call compiles (a minute or more)."""
+        return cls(f"{HF_GENERATE}+compile", HF_GENERATE, fast=False, compiled=True)
 
     @classmethod
     def treespec_ar(cls) -> "BenchConfig":
@@ -260,10 +267,10 @@ class BenchResult:
         return sum(len(r.unexplained) for r in self.results if r.config.kind == TREESPEC)
 
 
-def _generation_config(model, max_new_tokens: int, sp: SamplingParams, lookup: int | None):
+def _generation_config(model, max_new_tokens: int, sp: SamplingParams, lookup: int | None, compiled: bool = False):
     """A GenerationConfig holding exactly our settings: the model's own generation config may
     carry sampling defaults (top_k=50, ...) that would silently change the baseline."""
-    from transformers import GenerationConfig
+    from transformers import CompileConfig, GenerationConfig
 
     mg = model.generation_config
     eos = mg.eos_token_id
@@ -275,6 +282,10 @@ def _generation_config(model, max_new_tokens: int, sp: SamplingParams, lookup: i
                   min_p=sp.min_p)
     if lookup is not None:
         kw["prompt_lookup_num_tokens"] = lookup
+    if compiled:
+        compile_config = CompileConfig(fullgraph=True, dynamic=False)
+        compile_config._compile_all_devices = True  # transformers compiles only on GPUs unless told
+        kw.update(cache_implementation="static", compile_config=compile_config)
     return GenerationConfig(**kw)
 
 
@@ -302,7 +313,8 @@ def _run_one_inner(model, cfg: BenchConfig, prompt: list[int], max_new_tokens: i
         summary["tree_tokens"] = m.tree_tokens
         return RunRecord(list(out.sequences[0]), seconds, summary)
 
-    gc = _generation_config(model, max_new_tokens, sp, cfg.lookup_tokens if cfg.kind == HF_LOOKUP else None)
+    gc = _generation_config(model, max_new_tokens, sp, cfg.lookup_tokens if cfg.kind == HF_LOOKUP else None,
+                            compiled=cfg.compiled)
     ids = torch.tensor([prompt], device=model.device)  # [1, L]
     if seed is not None:
         torch.manual_seed(seed)

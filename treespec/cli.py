@@ -381,6 +381,9 @@ def _add_bench(sub):
     p.add_argument("--lookup-tokens", type=int, default=3, metavar="K",
                    help="HF prompt lookup's prompt_lookup_num_tokens (default: %(default)s, as ngram's chain-3)")
     p.add_argument("--no-hf-lookup", action="store_true", help="skip HF prompt lookup")
+    p.add_argument("--hf-compile", action="store_true",
+                   help="also run HF generate with a static cache and torch.compile (compiles for a minute or more "
+                        "first; on the CPUs measured it was slower than plain HF generate, docs/benchmarks.md)")
     p.add_argument("--dataset", default="gsm8k", help="gsm8k, humaneval or a .jsonl file (default: %(default)s)")
     p.add_argument("--prompt-field", default=None, help="JSONL field holding the prompt (default: question for "
                    "gsm8k, prompt otherwise)")
@@ -470,6 +473,8 @@ def _bench(args):
         # The same advantage without speculation: HF generate and treespec's own
         # one-token decoding, both on the packed weights.
         configs += [BenchConfig.hf_generate(fast=True), BenchConfig.treespec_ar()]
+    if args.hf_compile:
+        configs.append(BenchConfig.hf_generate_compiled())
     if not args.no_hf_lookup:
         configs.append(BenchConfig.hf_lookup(args.lookup_tokens))
     for d, t in pairs:
