@@ -103,6 +103,26 @@ def test_greedy_on_packed_weights_equals_plain_hf_generate(tree):
     assert out.metrics.mean_accepted_length > 1.5
 
 
+@needs_onednn
+def test_packed_eagle3_head_drafts_the_same_trees():
+    from treespec.drafters import Eagle3Drafter, EagleHead
+
+    model = tiny_model("llama", seed=10, layers=4)
+    head = EagleHead.for_target(model, eagle3=True)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    drafter = Eagle3Drafter(head)
+    plain = treespec.generate(model, drafter, "cpu", PROMPTS, max_new_tokens=16)
+    packed = PackedLinears(model, *drafter.modules())
+    assert len(packed) > len(PackedLinears(model))  # the head's layers too
+    with packed:
+        out = treespec.generate(model, drafter, "cpu", PROMPTS, max_new_tokens=16)
+    assert out.sequences == plain.sequences == [hf_greedy(model, p, 16) for p in PROMPTS]
+    assert [r.accepted for r in out.metrics.requests] == [r.accepted for r in plain.metrics.requests]
+
+
 # ---- no draft ----------------------------------------------------------------------------
 
 

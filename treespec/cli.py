@@ -252,14 +252,14 @@ def _dtype(args):
     return getattr(torch, args.dtype)
 
 
-def _fast_path(args, model):
-    """The packed-weights context for ``model``, or None, per --pack."""
+def _fast_path(args, model, drafters=()):
+    """The packed-weights context for ``model`` and the drafters' modules, or None, per --pack."""
     from .packing import PackedLinears, packing_supported
 
     if args.pack is False or (args.pack is None and not packing_supported(model)):
         return None
     try:
-        return PackedLinears(model)
+        return PackedLinears(model, *(m for d in drafters for m in d.modules()))
     except ValueError as e:
         raise UserError(f"--pack: {e}") from None
 
@@ -329,7 +329,7 @@ def _generate(args):
     model, tok = _load_model(args.model, _dtype(args))
     drafter, draft_name = _drafter(args.draft, model, tok, args.backend)
     ids = _prompt_ids(tok, args, args.model)
-    fast = _fast_path(args, model)
+    fast = _fast_path(args, model, [drafter])
 
     text = _TextStream(tok, sys.stdout)
     metrics = None
@@ -467,7 +467,7 @@ def _bench(args):
     model, tok = _load_model(args.model, _dtype(args))
     prompts, fmt = load_prompts(args.dataset, tok, args.num_prompts, prompt_field=args.prompt_field, raw=args.raw)
     drafters = {d: _drafter(d, model, tok, args.backend) for d in dict.fromkeys(d for d, _ in pairs)}
-    fast = _fast_path(args, model)
+    fast = _fast_path(args, model, [d for d, _ in drafters.values()])
     configs = [BenchConfig.hf_generate()]
     if fast is not None:
         # The same advantage without speculation: HF generate and treespec's own

@@ -62,7 +62,8 @@ class PackedLinear(nn.Module):
 
 
 class PackedLinears:
-    """Packed copies of every ``nn.Linear`` of ``model``, swapped in by ``with``.
+    """Packed copies of every ``nn.Linear`` of ``model`` (and of ``more`` modules, e.g. a
+    draft head: :meth:`~treespec.drafters.base.Drafter.modules`), swapped in by ``with``.
 
     Packing happens once, here; entering and leaving the ``with`` block only swaps module
     references (microseconds), so a benchmark can run the plain model and the packed one
@@ -76,9 +77,10 @@ class PackedLinears:
 
     description = "oneDNN-packed linear weights"
 
-    def __init__(self, model: nn.Module, batch_hint: int = DEFAULT_BATCH_HINT):
-        if not packing_supported(model):
-            p = next(model.parameters())
+    def __init__(self, model: nn.Module, *more: nn.Module, batch_hint: int = DEFAULT_BATCH_HINT):
+        bad = next((m for m in (model, *more) if not packing_supported(m)), None)
+        if bad is not None:
+            p = next(bad.parameters())
             raise ValueError(
                 f"packed weights need a CPU model in float32 or bfloat16 with oneDNN available; "
                 f"this one is {p.dtype} on {p.device} (mkldnn available: "
@@ -88,11 +90,14 @@ class PackedLinears:
         self.model = model
         # (parent module, attribute name, original Linear, packed replacement)
         self._swaps: list[tuple[nn.Module, str, nn.Linear, PackedLinear]] = []
+        seen = set()  # a layer shared by two modules (an early-exit draft) is packed once
         with torch.inference_mode():
-            for parent in model.modules():
-                for name, child in parent.named_children():
-                    if type(child) is nn.Linear:
-                        self._swaps.append((parent, name, child, PackedLinear(child, batch_hint)))
+            for root in (model, *more):
+                for parent in root.modules():
+                    for name, child in parent.named_children():
+                        if type(child) is nn.Linear and (id(parent), name) not in seen:
+                            seen.add((id(parent), name))
+                            self._swaps.append((parent, name, child, PackedLinear(child, batch_hint)))
         self._depth = 0
         self.pack_seconds = time.perf_counter() - t0
         log.info("packed %d linear layers for oneDNN in %.2f s", len(self._swaps), self.pack_seconds)

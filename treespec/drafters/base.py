@@ -75,6 +75,11 @@ class Drafter(ABC):
     def features_for(self, model) -> tuple[int, ...] | None:
         return self.feature_layers
 
+    def modules(self) -> tuple[torch.nn.Module, ...]:
+        """The torch modules this drafter runs (for whole-model transforms such as
+        :class:`~treespec.packing.PackedLinears`); none for a drafter without weights."""
+        return ()
+
     @abstractmethod
     def start(self, model, ctx: DraftStart) -> DraftSession: ...
 

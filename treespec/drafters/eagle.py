@@ -389,6 +389,9 @@ class EagleDrafter(Drafter):
             raise ValueError(f"{path} is an EAGLE-1/2 checkpoint: use EagleDrafter or treespec.load_draft")
         return cls(head, **kw)
 
+    def modules(self):
+        return (self.head,)
+
     def features_for(self, model):
         if self.head.config.eagle3:
             return eagle3_feature_layers(model.config.num_hidden_layers)

@@ -33,6 +33,9 @@ class ModelDrafter(Drafter):
         self.attention_backend = attention_backend
         self.page_size = page_size
 
+    def modules(self):
+        return (self.model,)
+
     def check_compatible(self, model) -> None:
         if self.model is model:
             raise ValueError("the draft model is the target model itself: use a smaller model")
