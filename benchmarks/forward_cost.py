@@ -59,16 +59,19 @@ def main(argv=None) -> int:
     p.add_argument("--prefix", type=int, default=160, help="cached tokens before the new ones")
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (packing is CPU only: use --pack no)")
     p.add_argument("--out", type=Path, default=None, help="JSON file (default: results/forward_cost-DTYPE.json)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     model, _ = load(args.model, dtype=dtype)
-    runner = ModelRunner(model, "torch")
+    model = model.to(args.device)
+    runner = ModelRunner(model, "auto")
+    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
     packed = PackedLinears(model) if args.pack != "no" else None
     modes = {"both": ["plain", "packed"], "yes": ["packed"], "no": ["plain"]}[args.pack]
-    prompt = torch.randint(100, 10000, (args.prefix,), generator=torch.Generator().manual_seed(0))
+    prompt = torch.randint(100, 10000, (args.prefix,), generator=torch.Generator().manual_seed(0)).to(model.device)
     cache = runner.new_cache([args.prefix + 64])
     seq = cache.add_sequence()
     times = {m: {q: [] for q in SIZES} for m in modes}
@@ -80,9 +83,11 @@ def main(argv=None) -> int:
             for q in SIZES:
                 for m in modes:
                     with packed if m == "packed" else contextlib.nullcontext():
+                        sync()
                         t = time.perf_counter()
                         runner.forward(cache, [seq], [prompt[:q]], [torch.arange(args.prefix, args.prefix + q)],
                                        [causal_mask(q)])
+                        sync()
                         if rep:
                             times[m][q].append(1000 * (time.perf_counter() - t))
     hf = {}

@@ -164,7 +164,9 @@ def _drafter(spec: str, model, tokenizer, backend: str):
         except ValueError as e:
             raise UserError(str(e)) from None
     if spec.startswith("model:"):
-        dmodel, dtok = _load_model(spec[len("model:"):], next(model.parameters()).dtype)
+        p = next(model.parameters())
+        dmodel, dtok = _load_model(spec[len("model:"):], p.dtype)
+        dmodel = dmodel.to(p.device)
         if tokenizer is not None and dtok is not None and dtok.get_vocab() != tokenizer.get_vocab():
             log.warning("the draft model's tokenizer differs from the target's: drafts will rarely be accepted")
         drafter, name = ModelDrafter(dmodel, attention_backend=backend), spec
@@ -221,6 +223,8 @@ def _add_runtime(p):
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: one per physical core available; on a machine whose cores "
                         "other processes keep busy, fewer is much faster, often 1: see README, Threads)")
+    p.add_argument("--device", default="auto", help="where the model runs: auto (cuda when available), cpu, "
+                                                     "cuda or cuda:N")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="weights and activations of the target and draft (probabilities and verification stay "
                         "fp32). auto: bfloat16 on a GPU or a CPU with native bf16 (AVX512-BF16/AMX), else float32")
@@ -240,6 +244,19 @@ def _check_early(args):
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if getattr(args, "threads", None) is not None and args.threads < 1:
         raise UserError(f"--threads must be >= 1, got {args.threads}")
+    device = getattr(args, "device", "auto")
+    if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", device):
+        raise UserError(f"--device {device!r}: use auto, cpu, cuda or cuda:N")
+
+
+def _device(args) -> str:
+    import torch
+
+    if args.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {args.device}: torch sees no CUDA GPU here (use --device cpu)")
+    return args.device
 
 
 def _dtype(args):
@@ -248,8 +265,15 @@ def _dtype(args):
     from .packing import default_dtype
 
     if args.dtype == "auto":
-        return default_dtype("cuda" if args.backend == "flashinfer" else "cpu")
+        return default_dtype(_device(args))
     return getattr(torch, args.dtype)
+
+
+def _load_target(args):
+    """The target model and tokenizer per --model, --device and --dtype."""
+    model, tok = _load_model(args.model, _dtype(args))
+    device = _device(args)
+    return (model.to(device) if device != "cpu" else model), tok
 
 
 def _fast_path(args, model, drafters=()):
@@ -326,7 +350,7 @@ def _generate(args):
     cfg, tree_name = _tree(args.tree)
     _check_draft_spec(args.draft)
     _setup_threads(args)
-    model, tok = _load_model(args.model, _dtype(args))
+    model, tok = _load_target(args)
     drafter, draft_name = _drafter(args.draft, model, tok, args.backend)
     ids = _prompt_ids(tok, args, args.model)
     fast = _fast_path(args, model, [drafter])
@@ -464,7 +488,7 @@ def _bench(args):
         _check_draft_spec(d)
     _setup_threads(args)
 
-    model, tok = _load_model(args.model, _dtype(args))
+    model, tok = _load_target(args)
     prompts, fmt = load_prompts(args.dataset, tok, args.num_prompts, prompt_field=args.prompt_field, raw=args.raw)
     drafters = {d: _drafter(d, model, tok, args.backend) for d in dict.fromkeys(d for d, _ in pairs)}
     fast = _fast_path(args, model, [d for d, _ in drafters.values()])
