@@ -88,3 +88,25 @@ def test_shipped_eagle_pair_equals_hf(smollm):
         out = treespec.generate(model, draft, tree, prompts, max_new_tokens=NEW)
         assert out.sequences == refs, tree
         assert out.metrics.requests[0].mean_accepted_length > 1.2, tree
+
+
+def test_shipped_pair_bf16_packed_has_no_unexplained_difference(smollm):
+    """bf16 and packed weights, the CPU fast path: every difference from HF generate (bf16,
+    plain weights) is a rounding near-tie judged in fp32, and the head still accepts."""
+    from treespec.divergence import NEAR_TIE_TOLERANCE, classify_divergence
+    from treespec.packing import PackedLinears
+
+    model32, _, prompts, refs32 = smollm
+    model = copy.deepcopy(model32).to(torch.bfloat16)
+    draft = treespec.load_draft("smollm2-135m-instruct-eagle", model)
+    refs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        refs.append(model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
+                                   do_sample=False)[0, len(p):].tolist())
+    with PackedLinears(model, *draft.modules()):
+        out = treespec.generate(model, draft, "cpu", prompts, max_new_tokens=NEW)
+    for p, ref, seq in zip(prompts, refs, out.sequences):
+        d = classify_divergence(model32, p, ref, seq, NEAR_TIE_TOLERANCE[torch.bfloat16])
+        assert d is None or d.near_tie, d
+    assert out.metrics.requests[0].mean_accepted_length > 1.2
