@@ -26,14 +26,17 @@ _EXPORTS = {
     "RequestMetrics": ".engine", "StepOutput": ".engine",
     "SamplingParams": ".sampling",
     "load_draft": ".drafters.eagle",
+    "AutoProfile": ".auto",
 }
 
 __all__ = [
     "Tree", "TreeConfig", "PRESETS", "Preset", "pack_mask", "unpack_mask", "generate", "stream",
     "GenerateOutput", "SpecMetrics", "RequestMetrics", "StepOutput", "SamplingParams", "load_draft",
+    "AutoProfile",
 ]
 
 if TYPE_CHECKING:
+    from .auto import AutoProfile
     from .config import PRESETS, Preset, TreeConfig
     from .drafters.eagle import load_draft
     from .engine import GenerateOutput, RequestMetrics, SpecMetrics, StepOutput, generate, stream

@@ -23,7 +23,7 @@ import torch
 from .config import TreeConfig
 from .tree import Tree
 
-__all__ = ["Frontier", "DraftStep", "build_dynamic_trees", "build_static_trees", "build_trees"]
+__all__ = ["Frontier", "DraftStep", "StopRule", "build_dynamic_trees", "build_static_trees", "build_trees"]
 
 
 @dataclass
@@ -49,6 +49,10 @@ class Frontier:
 # A draft step: frontier -> (log-probs [B, k, V] of each node's next token, per-node state).
 DraftStep = Callable[[Frontier], "tuple[torch.Tensor, Any]"]
 
+# Asked after each level whether to stop growing: (depth, frontier scores [B, k], every pool
+# candidate's score so far [B, P]) -> True ends expansion (treespec.auto's early stop).
+StopRule = Callable[[int, torch.Tensor, torch.Tensor], bool]
+
 
 def _gather_state(state, index: torch.Tensor):
     """Pick ``state[b, index[b, j]]`` for a tensor state ``[B, k_prev, ...]``."""
@@ -73,6 +77,7 @@ def build_dynamic_trees(
     step: DraftStep,
     config: TreeConfig,
     root_state=None,
+    stop: StopRule | None = None,
 ) -> list[Tree]:
     """EAGLE-2 dynamic trees for a batch.
 
@@ -82,8 +87,10 @@ def build_dynamic_trees(
         step:          the drafter's :data:`DraftStep`.
         config:        a dynamic :class:`TreeConfig`.
         root_state:    per-request state ``[B, 1, ...]`` handed to depth-1 nodes.
+        stop:          called after each level but the last (see :data:`StopRule`); True
+                       ends expansion, and the trees keep ``min(num_nodes, pool so far)``.
     Returns:
-        B trees with ``num_nodes`` drafted nodes each, tokens and cumulative scores; nodes in
+        B trees with ``num_nodes`` drafted nodes each (fewer after an early stop), tokens and cumulative scores; nodes in
         pool order, so parents precede children.
     """
     if config.kind != "dynamic":
@@ -102,6 +109,8 @@ def build_dynamic_trees(
     anc = eye  # [B, k, P]
     offset = k
     for depth in range(1, config.depth):
+        if stop is not None and stop(depth, score, torch.cat(pool_scores, 1)):
+            break
         logp, out_state = step(Frontier(token, depth, anc, state))
         _check_vocab(logp, k)
         lp, tok = logp.float().topk(k, dim=-1)  # [B, k, k]
@@ -123,10 +132,11 @@ def build_dynamic_trees(
     # A child's score never exceeds its parent's (log-probs are <= 0) and its pool index is
     # larger, so a stable descending sort ranks every parent before its children, ties
     # included: the top num_nodes are ancestor-closed.
-    order = scores.sort(dim=1, descending=True, stable=True).indices[:, : config.num_nodes]
+    n_keep = min(config.num_nodes, scores.shape[1])
+    order = scores.sort(dim=1, descending=True, stable=True).indices[:, :n_keep]
     keep = order.sort(dim=1).values  # pool order: parents first
     node_of = torch.full_like(scores, -1, dtype=torch.int64)  # pool index -> node index
-    node_of.scatter_(1, keep, torch.arange(1, config.num_nodes + 1, device=device).expand(B, -1))
+    node_of.scatter_(1, keep, torch.arange(1, n_keep + 1, device=device).expand(B, -1))
     kept_parents = parents.gather(1, keep)
     node_parents = torch.where(kept_parents < 0, 0, node_of.gather(1, kept_parents.clamp(min=0)))
     if (node_parents < 0).any():
@@ -214,8 +224,9 @@ def _child_ranks(shape: Tree) -> list[int]:
     return ranks
 
 
-def build_trees(root_tokens, root_logprobs, step: DraftStep, config: TreeConfig, root_state=None) -> list[Tree]:
-    """Dispatch on ``config.kind``."""
+def build_trees(root_tokens, root_logprobs, step: DraftStep, config: TreeConfig, root_state=None,
+                stop: StopRule | None = None) -> list[Tree]:
+    """Dispatch on ``config.kind``; ``stop`` applies to dynamic trees (a static shape is fixed)."""
     if config.kind == "dynamic":
-        return build_dynamic_trees(root_tokens, root_logprobs, step, config, root_state)
+        return build_dynamic_trees(root_tokens, root_logprobs, step, config, root_state, stop)
     return build_static_trees(root_tokens, root_logprobs, step, config.static_tree(), root_state)

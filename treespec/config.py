@@ -31,6 +31,9 @@ class TreeConfig:
                    SGLang's ``num_draft_tokens`` count the root: they are ``num_nodes + 1``.
     Static fields:
         paths:     the tree as Medusa / vLLM child-rank paths, breadth-first.
+    Auto (``TreeConfig.auto(...)``, ``auto=True``, dynamic only): depth, top_k and
+        num_nodes are maxima; each step verifies the part of the drafted tree that maximises
+        expected tokens per second (:mod:`treespec.auto`).
     """
 
     kind: str
@@ -38,6 +41,7 @@ class TreeConfig:
     top_k: int
     num_nodes: int
     paths: tuple[tuple[int, ...], ...] | None = None
+    auto: bool = False  # size each step's tree by cost (treespec.auto); the constructor is set below
 
     def __post_init__(self):
         if self.kind not in ("dynamic", "static"):
@@ -58,6 +62,10 @@ class TreeConfig:
                 )
         elif self.paths is None:
             raise ValueError("a static TreeConfig needs paths")
+        if not isinstance(self.auto, bool):
+            raise ValueError(f"auto must be a bool, got {self.auto!r}")
+        if self.auto and self.kind != "dynamic":
+            raise ValueError("auto sizing needs a dynamic TreeConfig: a static shape has nothing to choose")
 
     # ---- constructors -------------------------------------------------------------------
 
@@ -121,6 +129,11 @@ class TreeConfig:
 
     def to_vllm(self) -> str:
         """The string vLLM accepts as ``speculative_token_tree`` (static trees only)."""
+        if self.auto:
+            raise ValueError(
+                "an auto TreeConfig chooses its tree at every step from costs measured here: vLLM's "
+                "speculative_token_tree is one fixed shape; export a preset or a static tree instead"
+            )
         if self.paths is None:
             raise ValueError(
                 "vLLM's speculative_token_tree is a static shape: a dynamic TreeConfig has none. "
@@ -129,11 +142,24 @@ class TreeConfig:
         return repr([tuple(p) for p in self.paths])
 
     def describe(self) -> str:
+        if self.auto:
+            return f"auto(max_depth={self.depth}, top_k={self.top_k}, max_nodes={self.num_nodes})"
         if self.kind == "dynamic":
             return f"dynamic(depth={self.depth}, top_k={self.top_k}, num_nodes={self.num_nodes})"
         if self.is_chain:
             return f"chain({self.depth})"
         return f"static({self.num_nodes} nodes, depth {self.depth})"
+
+
+def _auto(cls, max_depth: int = 6, top_k: int = 8, max_nodes: int = 32) -> TreeConfig:
+    """Cost-aware trees: draft EAGLE-2 style up to ``max_depth`` levels of ``top_k``, then
+    verify each step the best-scoring part of at most ``max_nodes`` nodes that maximises
+    expected tokens per second (possibly the root alone); see :mod:`treespec.auto`."""
+    return cls("dynamic", max_depth, top_k, max_nodes, auto=True)
+
+
+# Set after the class: a method named like the field would become the field's default.
+TreeConfig.auto = classmethod(_auto)
 
 
 @dataclass(frozen=True)
@@ -192,6 +218,14 @@ def _presets() -> Mapping[str, Preset]:
     p["cpu-tiny"] = Preset(
         TreeConfig.dynamic(depth=4, top_k=2, num_nodes=8),
         "the smallest dynamic tree: for weak drafts or very slow verifies",
+    )
+    p["auto"] = Preset(
+        TreeConfig.auto(max_depth=6, top_k=8, max_nodes=32),
+        "cost-aware: each step verifies the part of a dynamic tree (up to depth 6, top-k 8) that "
+        "maximises expected tokens per second from this machine's measured verify costs and "
+        "calibrated draft scores, from the root alone up to 32 nodes; 32 is the most a 2-core CPU "
+        "ever pays for (a 33-token verify costs about 2.4 decode steps there), top-k 8 lets it go "
+        "wide where the draft is unsure",
     )
     p["eagle1"] = Preset(
         TreeConfig.static(_EAGLE1_TREE),

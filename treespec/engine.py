@@ -14,6 +14,7 @@ from typing import Iterator, Mapping, Sequence
 
 import torch
 
+from .auto import AutoController, AutoProfile
 from .config import TreeConfig
 from .drafters.base import DraftStart, Drafter
 from .mask import causal_mask
@@ -59,6 +60,7 @@ class SpecMetrics:
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
     tree_tokens: int = 0  # tokens run through verify forwards (roots included)
+    tree_sizes: list[int] = field(default_factory=list)  # drafted nodes verified, per request-step
     requests: list[RequestMetrics] = field(default_factory=list)
 
     @property
@@ -73,6 +75,11 @@ class SpecMetrics:
     @property
     def tokens_per_second(self) -> float:
         return self.num_generated / self.total_seconds if self.total_seconds > 0 else 0.0
+
+    @property
+    def mean_tree_size(self) -> float:
+        """Drafted nodes verified per request-step (what an ``auto`` tree chose)."""
+        return sum(self.tree_sizes) / max(len(self.tree_sizes), 1)
 
     def _record(self, req: int, accepted: int, committed: int):
         r = self.requests[req]
@@ -97,6 +104,7 @@ class SpecMetrics:
             "verify_seconds": self.verify_seconds,
             "total_seconds": self.total_seconds,
             "tokens_per_second": self.tokens_per_second,
+            "mean_tree_size": self.mean_tree_size,
         }
 
 
@@ -251,6 +259,7 @@ def stream(
     eos_token_id: int | Sequence[int] | None = None,
     attention_backend: str = "auto",
     page_size: int = 16,
+    auto_profile=None,
     **options,
 ) -> Iterator[StepOutput]:
     """Decode with tree speculation, yielding the tokens each step commits.
@@ -263,6 +272,7 @@ def stream(
     sample as transformers does by default. See :func:`generate` for the arguments.
     ``seed`` is an int (request i uses ``seed + i``) or one seed per request; each request
     has its own generator, so its output does not depend on its batch.
+    ``auto_profile``: see :func:`generate`.
     """
     for name in options:
         if name in UNSUPPORTED_OPTIONS:
@@ -292,7 +302,9 @@ def stream(
     _warn_past_context(prompts, max_new_tokens, runner.max_positions)
     eos = _eos_set(model, eos_token_id)
     gens = _generators(seed, len(prompts), runner.device)
-    yield from _loop(runner, drafter, cfg, prompts, params, eos, gens, max_new_tokens, page_size)
+    if auto_profile is not None and not isinstance(auto_profile, AutoProfile):
+        raise ValueError(f"auto_profile must be a treespec.AutoProfile, got {type(auto_profile).__name__}")
+    yield from _loop(runner, drafter, cfg, prompts, params, eos, gens, max_new_tokens, page_size, auto_profile)
 
 
 def _warn_past_context(prompts: list[list[int]], max_new: int, max_pos: int | None) -> None:
@@ -341,13 +353,18 @@ class _AcceptanceWatch:
 
 
 def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts, params: SamplingParams,
-          eos: set[int], gens, max_new: int, page_size: int) -> Iterator[StepOutput]:
+          eos: set[int], gens, max_new: int, page_size: int, auto_profile=None) -> Iterator[StepOutput]:
     B = len(prompts)
     metrics = SpecMetrics(requests=[RequestMetrics() for _ in range(B)])
-    t_start = time.perf_counter()
     max_pos = runner.max_positions
     watch = _AcceptanceWatch(drafter)
     with runner.attached():
+        auto = None
+        if cfg.auto:
+            profile = auto_profile if auto_profile is not None else AutoProfile()
+            profile.prepare(runner, cfg.max_tree_tokens)  # start-up, not generation time
+            auto = AutoController(profile, cfg.num_nodes, cfg.top_k, params.greedy)
+        t_start = time.perf_counter()
         cache = runner.new_cache([len(p) + max_new + cfg.max_tree_tokens for p in prompts], page_size)
         seqs = [cache.add_sequence() for _ in prompts]
         needs_features = bool(runner.feature_layers)
@@ -375,6 +392,7 @@ def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts, param
         session = drafter.start(runner.model, DraftStart(
             prompts=[list(p) for p in prompts], first_tokens=first,
             features=out.features if needs_features else None, max_new_tokens=max_new, tree_cfg=cfg,
+            stop=auto.stop if auto is not None else None,
         ))
         for b in range(B):
             if done[b]:
@@ -397,12 +415,17 @@ def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts, param
                 max_depth.append(max(d, 0))
 
             t0 = time.perf_counter()
+            if auto is not None:
+                auto.begin_step()
             trees = session.propose(active, roots, max_depth)
+            propose_seconds = time.perf_counter() - t0
             # Trim to the budget: depth as above, nodes to the tree size and the KV room left.
             trees = [
                 t.prune(max_depth=d, max_nodes=min(cfg.num_nodes, cache.capacity(seqs[b]) - L - 1))
                 for t, d, b, L in zip(trees, max_depth, active, committed_len)
             ]
+            if auto is not None:
+                trees = auto.choose(trees, propose_seconds)
             for t, root in zip(trees, roots):
                 if t.tokens is None or int(t.tokens[0]) != root:
                     raise RuntimeError(f"{type(drafter).__name__} proposed a tree whose root is not the last committed token")
@@ -432,8 +455,11 @@ def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts, param
                 commit_tokens.append(toks)
                 if needs_features:
                     commit_feats.append(out.features[i][torch.tensor(path)])
+            if auto is not None:
+                auto.learn(trees, [v.path for v in verdicts])
             metrics.num_steps += 1
             metrics.tree_tokens += sum(t.num_nodes for t in trees)
+            metrics.tree_sizes.extend(t.num_drafted for t in trees)
             watch.record(trees, sum(len(t) - 1 for t in commit_tokens))
             metrics.verify_seconds += time.perf_counter() - t0
 
@@ -491,6 +517,7 @@ def generate(
     seed: int | Sequence[int] | None = None,
     eos_token_id: int | Sequence[int] | None = None,
     attention_backend: str = "auto",
+    auto_profile=None,
     **options,
 ) -> GenerateOutput:
     """Generate with tree speculation; same output as ``model`` alone.
@@ -509,6 +536,11 @@ def generate(
         seed:       int or one per request, for reproducible sampling.
         attention_backend: ``"auto"`` (FlashInfer on CUDA when installed), ``"torch"`` or
                     ``"flashinfer"``.
+        auto_profile: for an ``auto`` tree (``"auto"``, ``TreeConfig.auto(...)``): the
+                    :class:`~treespec.auto.AutoProfile` (cost curve and calibrations) to decide
+                    from and keep learning into; pass the same one to later calls to reuse
+                    what it learned. None: a fresh one, its cost curve from the disk cache or
+                    measured (a second or two, once per machine and model). Ignored otherwise.
     Returns:
         :class:`GenerateOutput` with ``sequences`` and ``metrics``.
     """
@@ -518,7 +550,7 @@ def generate(
     for out in stream(
         model, draft, tree_cfg, input_ids, max_new_tokens=max_new_tokens, temperature=temperature,
         top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, eos_token_id=eos_token_id,
-        attention_backend=attention_backend, **options,
+        attention_backend=attention_backend, auto_profile=auto_profile, **options,
     ):
         for s, t in zip(seqs, out.tokens):
             s.extend(t)

@@ -291,6 +291,17 @@ class Tree:
             keep[idx] = True
         if bool(keep.all()):
             return self
+        return self.subtree(torch.nonzero(keep).flatten()[1:].tolist())
+
+    def subtree(self, nodes: Sequence[int]) -> "Tree":
+        """The tree of the root and ``nodes`` (drafted node indices, an ancestor-closed set),
+        renumbered in their index order, tokens and scores kept."""
+        keep = torch.zeros(self.num_nodes, dtype=torch.bool)
+        keep[0] = True
+        if len(nodes):
+            keep[torch.as_tensor(list(nodes), dtype=torch.int64)] = True
+        if not bool(keep[self.parents[keep].clamp(min=0)].all()):
+            raise ValueError("subtree nodes must be ancestor-closed: a kept node's parent is missing")
         idx = torch.nonzero(keep).flatten()
         remap = torch.full((self.num_nodes,), -1, dtype=torch.int64)
         remap[idx] = torch.arange(idx.numel())

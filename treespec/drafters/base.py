@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -39,6 +39,8 @@ class DraftStart:
                       None when the drafter reads none.
         max_new_tokens: the generation budget, for sizing the draft's own cache.
         tree_cfg:     the tree configuration of this generation.
+        stop:         for dynamic trees, the builder's early-stop rule
+                      (:data:`treespec.builder.StopRule`), or None: draft every level.
     """
 
     prompts: list[list[int]]
@@ -46,6 +48,7 @@ class DraftStart:
     features: list[torch.Tensor] | None
     max_new_tokens: int
     tree_cfg: TreeConfig
+    stop: Callable[[int, torch.Tensor, torch.Tensor], bool] | None = None
 
 
 class DraftSession(ABC):

@@ -434,6 +434,7 @@ class EagleSession(DraftSession):
         self.device, self.dtype = p.device, p.dtype
         self.backend = get_backend(drafter.attention_backend, self.device)
         self.cfg = ctx.tree_cfg
+        self.stop = ctx.stop
         room = ctx.tree_cfg.depth * ctx.tree_cfg.top_k + ctx.tree_cfg.num_nodes + 2
         sizes = [len(pr) + ctx.max_new_tokens + room for pr in ctx.prompts]
         ps = drafter.page_size
@@ -508,7 +509,8 @@ class EagleSession(DraftSession):
         root_logp = torch.stack([self.root_logp[r] for r in requests])
         root_state = torch.stack([self.root_state[r] for r in requests])  # [B, 1, H]
         # The builder works in draft ids; roots are target ids and are restored below.
-        trees = build_trees(torch.zeros(len(requests), dtype=torch.int64), root_logp, step, self.cfg, root_state)
+        trees = build_trees(torch.zeros(len(requests), dtype=torch.int64), root_logp, step, self.cfg, root_state,
+                            stop=self.stop)
         for s, b in zip(seqs, base):
             self.cache.truncate(s, b)
         out = []

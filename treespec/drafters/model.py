@@ -61,6 +61,7 @@ class ModelDraftSession(DraftSession):
     def __init__(self, drafter: ModelDrafter, ctx: DraftStart):
         self.runner = ModelRunner(drafter.model, drafter.attention_backend)
         self.cfg = ctx.tree_cfg
+        self.stop = ctx.stop
         room = ctx.tree_cfg.depth * ctx.tree_cfg.top_k + ctx.tree_cfg.num_nodes + 2
         self.cache = self.runner.new_cache(
             [len(p) + ctx.max_new_tokens + room for p in ctx.prompts], drafter.page_size
@@ -108,7 +109,7 @@ class ModelDraftSession(DraftSession):
                 return torch.stack(out.logits).float().log_softmax(-1), None  # [B, k, V]
 
             trees = build_trees(
-                torch.as_tensor(list(roots)), root_logits.float().log_softmax(-1), step, self.cfg
+                torch.as_tensor(list(roots)), root_logits.float().log_softmax(-1), step, self.cfg, stop=self.stop
             )
             for s, b in zip(seqs, base):
                 self.cache.truncate(s, b)  # drop the tree levels

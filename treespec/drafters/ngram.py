@@ -6,6 +6,9 @@ followed it; with several occurrences the continuations branch where they differ
 share their common prefixes, forming a trie under the root. Nodes are ranked by how many
 continuations pass through them (then by recency), and the best ``num_nodes`` are kept:
 a node never has more support than its parent, so the kept set is ancestor-closed.
+A node's score is the log of the share of continuations through it, so a child never scores
+above its parent; ``auto`` trees calibrate it into an acceptance probability like a draft's
+log-probability.
 
 As in vLLM's ngram proposer and transformers' ``prompt_lookup_num_tokens``, the longest
 n-gram (``max_ngram`` down to ``min_ngram``) that occurs at all wins. No model, no
@@ -14,6 +17,7 @@ training: strong on code editing, extraction and summarisation, where output cop
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import numpy as np
@@ -71,7 +75,8 @@ def continuations(context: np.ndarray, max_ngram: int, min_ngram: int, max_match
 
 
 def trie_tree(root: int, runs: Sequence[Sequence[int]], num_nodes: int) -> Tree:
-    """The trie of ``runs`` under ``root``, cut to the ``num_nodes`` best-supported nodes."""
+    """The trie of ``runs`` under ``root``, cut to the ``num_nodes`` best-supported nodes;
+    scores: log of the share of runs through each node (root 0)."""
     children: list[dict[int, int]] = [{}]
     parent, token, support, first_seen = [-1], [root], [0], [0]
     for r, run in enumerate(runs):
@@ -93,7 +98,8 @@ def trie_tree(root: int, runs: Sequence[Sequence[int]], num_nodes: int) -> Tree:
     order = sorted(range(1, len(parent)), key=lambda i: (-support[i], first_seen[i], i))[:num_nodes]
     kept = sorted(order)  # creation order: parents first
     index = {0: 0, **{old: new for new, old in enumerate(kept, start=1)}}
-    return Tree([-1] + [index[parent[i]] for i in kept], [root] + [token[i] for i in kept])
+    share = [0.0] + [math.log(support[i] / len(runs)) for i in kept]
+    return Tree([-1] + [index[parent[i]] for i in kept], [root] + [token[i] for i in kept], share)
 
 
 class NgramSession(DraftSession):

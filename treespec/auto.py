@@ -1,0 +1,272 @@
+"""Cost-aware trees (``tree_cfg="auto"``): each step verifies the tree that maximises the
+expected tokens committed per second, from a measured cost curve and calibrated scores.
+
+The rule. The builder drafts up to the config's maximum (depth D, top-k K, N_max nodes).
+Node i has a cumulative draft score s_i; the calibration gives p_i = P(i is accepted).
+Order the drafted nodes by (score descending, depth ascending, index ascending): a child
+never scores above its parent and is deeper, so every prefix of this order is
+ancestor-closed, i.e. a tree. Verifying the first n of them commits in expectation
+
+    E(n) = 1 + p_(1) + ... + p_(n)          (the bonus token, plus the accepted drafts)
+
+tokens and costs t_draft + t_verify(n + 1) seconds (the root is verified too), so the step
+verifies the n in 0..N that maximises
+
+    J(n) = E(n) / (t_draft + t_verify(n + 1)),
+
+n = 0 (the root alone: no speculation) included.
+
+Early stop. After each draft level, with J* the best rate so far, n* its size and p_f the
+calibrated probability of the best frontier score (no deeper node can beat it), m more
+nodes each worth at most p_f raise the rate only if
+
+    m * p_f > J* * (t_level + t_verify(n* + 1 + m) - t_verify(n* + 1))
+
+for some m >= 1 (t_level: one more level's draft time, measured online). When n* is the
+whole budget, deeper nodes can only replace chosen ones, gaining at most p_f - p_min each.
+When no request can gain, drafting stops.
+
+Batches: each request chooses its own size from the single-request curve (the forward's
+cost for the batch is not split per request), an approximation for B > 1.
+
+Letters: B requests, N drafted nodes, P pool candidates, k top-k.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .calibration import Calibration
+from .costs import CostCurve, cached_cost_curve, cost_key
+from .tree import Tree
+
+__all__ = ["AutoProfile", "AutoController", "choice_order", "best_sizes", "keep_drafting", "choose_tree"]
+
+log = logging.getLogger(__name__)
+
+LEVEL_EMA = 0.2  # weight of the newest measurement of one level's draft time
+
+
+# ---- the rule, as pure functions ------------------------------------------------------------
+
+
+def choice_order(tree: Tree) -> np.ndarray:
+    """Drafted node indices (1..N) by score descending, depth ascending, index ascending."""
+    idx = np.arange(1, tree.num_nodes)
+    scores = tree.scores[1:].numpy().astype(np.float64)
+    depth = tree.depth[1:].numpy()
+    return idx[np.lexsort((idx, depth, -scores))]
+
+
+def best_sizes(probs: np.ndarray, costs: CostCurve, draft_seconds) -> tuple[np.ndarray, np.ndarray]:
+    """The n maximising ``J(n)`` per request.
+
+    Args:
+        probs:         float ``[B, N]``: acceptance probabilities in choice order (0-padded).
+        costs:         the verify cost curve.
+        draft_seconds: scalar or ``[B]``: this step's draft time.
+    Returns:
+        ``(n [B] int, J(n) [B])``; ties go to the smaller tree.
+    """
+    probs = np.atleast_2d(probs)
+    B, N = probs.shape
+    E = 1.0 + np.concatenate([np.zeros((B, 1)), np.cumsum(probs, axis=1)], axis=1)  # [B, N+1]
+    T = np.asarray(draft_seconds, dtype=np.float64).reshape(-1, 1) + costs(np.arange(1, N + 2))[None]  # [B|1, N+1]
+    rate = E / T
+    n = rate.argmax(axis=1)
+    return n, rate[np.arange(B), n]
+
+
+def keep_drafting(probs: np.ndarray, frontier_probs: np.ndarray, costs: CostCurve, draft_seconds: float,
+                  level_seconds: float, max_nodes: int, width: int) -> np.ndarray:
+    """Per request, whether one more draft level could raise the best rate.
+
+    Args:
+        probs:          float ``[B, P]``: the pool's acceptance probabilities, descending.
+        frontier_probs: float ``[B]``: the best frontier node's probability (p_f).
+        draft_seconds:  draft time spent so far this step.
+        level_seconds:  estimated time of one more level (t_level).
+        max_nodes:      N_max, the most nodes a tree may verify.
+        width:          top-k: one level adds at most k*k candidates.
+    Returns:
+        bool ``[B]``.
+    """
+    probs = np.atleast_2d(probs)[:, :max_nodes]
+    B = probs.shape[0]
+    n_star, J = best_sizes(probs, costs, draft_seconds)
+    c = costs(np.arange(0, max_nodes + 2))  # c[q]: q tokens, q = 0 .. N_max + 1
+    m = np.arange(1, max_nodes + 1)[None]  # [1, N_max]
+    room = np.minimum(max_nodes - n_star, width * width)[:, None]  # [B, 1]
+    q = np.minimum(n_star[:, None] + 1 + m, max_nodes + 1)
+    extra = (level_seconds + c[q] - c[n_star + 1][:, None]) / m  # [B, N_max]
+    bound = np.where(m <= room, extra, np.inf).min(axis=1)
+    grow = frontier_probs > J * bound
+    # A full budget: deeper nodes can only replace the weakest chosen ones.
+    full = n_star >= max_nodes
+    if full.any():
+        p_min = probs[np.arange(B), np.maximum(n_star - 1, 0)]
+        swaps = min(width * width, max_nodes)
+        grow = np.where(full, swaps * (frontier_probs - p_min) > J * level_seconds, grow)
+    return grow
+
+
+def choose_tree(tree: Tree, calibration: Calibration, costs: CostCurve, draft_seconds: float) -> Tree:
+    """The best prefix of ``tree``'s choice order, as a tree (nodes kept in index order)."""
+    if tree.num_drafted == 0 or tree.scores is None:
+        return tree
+    order = choice_order(tree)
+    p = calibration(tree.scores.numpy()[order])
+    n = int(best_sizes(p[None], costs, draft_seconds)[0][0])
+    return tree if n == tree.num_drafted else tree.subtree(np.sort(order[:n]).tolist())
+
+
+# ---- the profile: what is measured and learned ----------------------------------------------
+
+
+@dataclass
+class AutoProfile:
+    """The cost curve and calibrations an ``auto`` tree decides from; JSON-serialisable.
+
+    One profile can serve many ``generate`` calls: it keeps learning (calibration counts,
+    the draft's time per level) from every call it is given to.
+
+    Attributes:
+        costs:         verify seconds by tree size; None: taken from the disk cache (or
+                       measured) on first use.
+        greedy:        calibration under greedy decoding.
+        sampling:      calibration under sampling (its own: acceptance differs).
+        level_seconds: draft time of one tree level (EMA), None until measured.
+        keys:          what the profile was measured on (model, machine, draft, ...).
+    """
+
+    costs: CostCurve | None = None
+    greedy: Calibration = field(default_factory=Calibration)
+    sampling: Calibration = field(default_factory=Calibration)
+    level_seconds: float | None = None
+    keys: dict = field(default_factory=dict)
+
+    def calibration(self, greedy: bool) -> Calibration:
+        return self.greedy if greedy else self.sampling
+
+    def prepare(self, runner, max_tokens: int, refresh: bool = False) -> None:
+        """Make sure the cost curve covers ``max_tokens`` (from the disk cache, else
+        measured); the model must be attached to ``runner``."""
+        key = cost_key(runner)
+        if self.costs is None or refresh or self.costs.max_tokens < max_tokens:
+            self.costs = cached_cost_curve(runner, max_tokens, refresh=refresh)
+            self.keys["costs"] = key
+        elif self.keys.get("costs") not in (None, key):
+            log.warning("this auto profile's cost curve was measured for another setting (%s); it is used as is: "
+                        "refresh it with `treespec tune` on this machine", _diff(self.keys["costs"], key))
+
+    # ---- JSON ---------------------------------------------------------------------------
+
+    def to_json(self) -> dict:
+        return {
+            "format": "treespec-auto-profile/1",
+            "keys": self.keys,
+            "costs": None if self.costs is None else self.costs.to_json(),
+            "level_seconds": self.level_seconds,
+            "greedy": self.greedy.to_json(),
+            "sampling": self.sampling.to_json(),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> "AutoProfile":
+        if data.get("format") != "treespec-auto-profile/1":
+            raise ValueError("not a treespec auto profile (its 'format' is not treespec-auto-profile/1)")
+        return cls(
+            costs=None if data.get("costs") is None else CostCurve.from_json(data["costs"]),
+            greedy=Calibration.from_json(data["greedy"]),
+            sampling=Calibration.from_json(data["sampling"]),
+            level_seconds=data.get("level_seconds"),
+            keys=dict(data.get("keys") or {}),
+        )
+
+    def save(self, path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path) -> "AutoProfile":
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+        return cls.from_json(data)
+
+    def copy(self) -> "AutoProfile":
+        return AutoProfile.from_json(json.loads(json.dumps(self.to_json())))
+
+
+def _diff(a: dict, b: dict) -> str:
+    return ", ".join(f"{k} {a.get(k)!r} here {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
+
+
+# ---- per-generation controller --------------------------------------------------------------
+
+
+class AutoController:
+    """Applies the rule inside one generation: the builder's ``stop`` callback, the choice
+    of each request's tree after drafting, and learning from each verification.
+
+    Per step: ``begin_step()`` before ``propose``; ``choose(trees, propose_seconds)``
+    after it; ``learn(trees, verdicts)`` after verification.
+    """
+
+    def __init__(self, profile: AutoProfile, max_nodes: int, top_k: int, greedy: bool):
+        if profile.costs is None:
+            raise ValueError("the auto profile has no cost curve yet: call profile.prepare(runner, ...)")
+        self.profile, self.max_nodes, self.top_k = profile, max_nodes, top_k
+        self.calibration = profile.calibration(greedy)
+        self._t0 = time.perf_counter()
+        self._levels = 0  # draft levels run this step (stop said no)
+
+    def begin_step(self) -> None:
+        self._t0 = time.perf_counter()
+        self._levels = 0
+
+    def stop(self, depth: int, frontier_scores: torch.Tensor, pool_scores: torch.Tensor) -> bool:
+        """Builder callback after level ``depth``: True ends drafting for the whole batch.
+
+        frontier_scores: float ``[B, k]``; pool_scores: float ``[B, P]`` (every candidate so far).
+        """
+        pool = pool_scores.detach().float().cpu().numpy().astype(np.float64)
+        probs = self.calibration(-np.sort(-pool, axis=1))
+        p_f = self.calibration(frontier_scores.detach().float().cpu().numpy().max(axis=1))
+        grow = keep_drafting(probs, p_f, self.profile.costs, time.perf_counter() - self._t0,
+                             self.profile.level_seconds or 0.0, self.max_nodes, self.top_k)
+        if grow.any():
+            self._levels += 1
+            return False
+        return True
+
+    def choose(self, trees: Sequence[Tree], propose_seconds: float) -> list[Tree]:
+        if self._levels:
+            per_level = propose_seconds / self._levels
+            old = self.profile.level_seconds
+            self.profile.level_seconds = per_level if old is None else (1 - LEVEL_EMA) * old + LEVEL_EMA * per_level
+        return [choose_tree(t, self.calibration, self.profile.costs, propose_seconds) for t in trees]
+
+    def learn(self, trees: Sequence[Tree], paths: Sequence[Sequence[int]]) -> None:
+        """Each verified drafted node is accepted iff it lies on its request's committed path."""
+        scores, accepted = [], []
+        for t, path in zip(trees, paths):
+            if t.num_drafted == 0 or t.scores is None:
+                continue
+            hit = np.zeros(t.num_nodes, dtype=bool)
+            hit[list(path)] = True
+            scores.append(t.scores[1:].numpy())
+            accepted.append(hit[1:])
+        if scores:
+            self.calibration.observe(np.concatenate(scores), np.concatenate(accepted))

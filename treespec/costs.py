@@ -1,0 +1,176 @@
+"""What a verify forward of q tokens costs here: measured once, cached on disk.
+
+The cost of a target forward grows with the tokens it runs in a way no formula predicts: on
+one 2-core CPU 4 tokens cost 1.4x one token and 32 tokens 2.4x (fp32), on another bf16 CPU
+32 tokens cost 1.6x, on a GPU 60 tokens cost about one. So the curve is measured on the
+model, dtype, attention backend, thread count and machine it will run on: a handful of
+timed forwards through :class:`~treespec.runner.ModelRunner` on a scratch cache (one
+request, a 128-token prefix, q tree tokens under a causal mask), median of 3 per q, linear
+interpolation between the measured q.
+
+The curve is cached as JSON in ``treespec.models.cache_dir() / "costs"``, one file per key
+(model identity, dtype, backend, threads, device name, packed weights); ``refresh=True``
+measures again. Another process on the cores distorts the measurement: measure on a quiet
+machine, or refresh later.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+__all__ = ["CostCurve", "GRID", "cost_key", "measure_cost_curve", "cached_cost_curve", "device_name"]
+
+log = logging.getLogger(__name__)
+
+#: tree sizes (root included) timed at start-up; the grid stops at the largest tree needed.
+GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+PREFIX = 128  # cached tokens behind the timed forwards: a typical prompt's length
+REPEATS = 3
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """Seconds of one verify forward of ``q`` tokens, measured at ``tokens`` (ascending).
+
+    ``curve(q)`` interpolates linearly; past the last point it extends the last segment's
+    slope (never below the last value).
+    """
+
+    tokens: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    def __post_init__(self):
+        t, s = tuple(int(x) for x in self.tokens), tuple(float(x) for x in self.seconds)
+        if not t or len(t) != len(s):
+            raise ValueError("a cost curve needs as many times as token counts, at least one")
+        if any(b <= a for a, b in zip(t, t[1:])) or t[0] < 1:
+            raise ValueError("cost curve token counts must be ascending and >= 1")
+        if any(not np.isfinite(x) or x <= 0 for x in s):
+            raise ValueError("cost curve times must be positive")
+        object.__setattr__(self, "tokens", t)
+        object.__setattr__(self, "seconds", s)
+
+    def __call__(self, q) -> np.ndarray:
+        q = np.asarray(q, dtype=np.float64)
+        t, s = np.array(self.tokens, dtype=np.float64), np.array(self.seconds)
+        out = np.interp(q, t, s)
+        if len(t) > 1:
+            slope = max((s[-1] - s[-2]) / (t[-1] - t[-2]), 0.0)
+            out = np.where(q > t[-1], s[-1] + slope * (q - t[-1]), out)
+        return out
+
+    @property
+    def max_tokens(self) -> int:
+        return self.tokens[-1]
+
+    def to_json(self) -> dict:
+        return {"tokens": list(self.tokens), "seconds": list(self.seconds)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "CostCurve":
+        return cls(tuple(data["tokens"]), tuple(data["seconds"]))
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), platform.processor())
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def cost_key(runner) -> dict:
+    """What the cost of a forward depends on: the model, how it runs, and where."""
+    from .packing import PackedLinear
+
+    model = runner.model
+    cfg = model.config.to_dict()
+    cfg.pop("_name_or_path", None)
+    cfg.pop("_attn_implementation_autoset", None)
+    cfg.pop("_attn_implementation", None)
+    cfg_hash = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return {
+        "model": getattr(model.config, "_name_or_path", "") or type(model).__name__,
+        "model_config": cfg_hash,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "dtype": str(runner.dtype).removeprefix("torch."),
+        "backend": runner.backend.name,
+        "threads": torch.get_num_threads(),
+        "device": device_name(runner.device),
+        "packed": any(isinstance(m, PackedLinear) for m in model.modules()),
+    }
+
+
+def _key_file(key: dict) -> Path:
+    from .models import cache_dir
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return cache_dir() / "costs" / f"{digest}.json"
+
+
+def measure_cost_curve(runner, max_tokens: int, repeats: int = REPEATS) -> CostCurve:
+    """Time forwards of q = 1 .. ``max_tokens`` tokens (the grid up to it, and it) through
+    ``runner``; the model must be attached (``with runner.attached():``)."""
+    from .mask import causal_mask
+
+    qs = sorted({q for q in GRID if q < max_tokens} | {max(int(max_tokens), 1)})
+    cache = runner.new_cache([PREFIX + qs[-1]])
+    seq = cache.add_sequence()
+    vocab = runner.vocab_size
+    prefix = torch.arange(PREFIX) * 7 % vocab
+    runner.forward(cache, [seq], [prefix], [torch.arange(PREFIX)], [causal_mask(PREFIX)], logits_rows=[[PREFIX - 1]])
+    cache.commit(seq, torch.arange(PREFIX))
+
+    def once(q: int) -> float:
+        toks = torch.arange(q) * 13 % vocab
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
+        t0 = time.perf_counter()
+        runner.forward(cache, [seq], [toks], [PREFIX + torch.arange(q)], [causal_mask(q)])
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
+        dt = time.perf_counter() - t0
+        cache.truncate(seq, PREFIX)
+        return dt
+
+    once(qs[-1])  # warm-up: first calls allocate and pick kernels
+    seconds = [statistics.median(once(q) for _ in range(repeats)) for q in qs]
+    # Timing noise can make a larger forward look cheaper; the curve is non-decreasing.
+    seconds = np.maximum.accumulate(np.array(seconds)).tolist()
+    return CostCurve(tuple(qs), tuple(seconds))
+
+
+def cached_cost_curve(runner, max_tokens: int, refresh: bool = False) -> CostCurve:
+    """The disk-cached curve for ``runner``'s key, measured (and saved) when missing, too
+    short for ``max_tokens`` or ``refresh``; the model must be attached."""
+    key = cost_key(runner)
+    path = _key_file(key)
+    if not refresh and path.is_file():
+        try:
+            data = json.loads(path.read_text())
+            curve = CostCurve.from_json(data["curve"])
+            if data.get("key") == key and curve.max_tokens >= max_tokens:
+                return curve
+        except (ValueError, KeyError, TypeError) as e:
+            log.warning("ignoring unreadable cost curve %s: %s", path, e)
+    t0 = time.perf_counter()
+    curve = measure_cost_curve(runner, max_tokens)
+    log.info("measured the verify cost curve up to %d tokens in %.1f s: %s", max_tokens,
+             time.perf_counter() - t0, ", ".join(f"{q}: {s * 1e3:.1f} ms" for q, s in zip(curve.tokens, curve.seconds)))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"key": key, "curve": curve.to_json()}, indent=1) + "\n")
+    tmp.replace(path)  # readers never see half a file
+    return curve
