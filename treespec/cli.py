@@ -5,6 +5,7 @@
     treespec tree show PRESET|TREE.json [--prompt TEXT --model M --draft D] --out tree.png
     treespec train-eagle --data DATA.jsonl --out DIR ...
     treespec export --to vllm|sglang|eagle [--draft D] [--tree T] [--model M]
+    treespec tune [--model M] [--draft D] [--dataset gsm8k] --out PROFILE.json [--plot-dir DIR]
 
 A draft ``D`` is a shipped head name (``treespec.assets.DRAFTS``), an EAGLE head directory,
 ``ngram`` (prompt lookup, no model), ``model:NAME_OR_PATH`` (an independent small LM) or
@@ -320,6 +321,7 @@ def _add_generate(sub):
     src.add_argument("--chat", help="a user message, wrapped in the model's chat template")
     _add_sampling(p)
     _add_runtime(p)
+    _add_auto_profile(p)
     p.set_defaults(func=_generate)
 
 
@@ -354,6 +356,7 @@ def _generate(args):
     drafter, draft_name = _drafter(args.draft, model, tok, args.backend)
     ids = _prompt_ids(tok, args, args.model)
     fast = _fast_path(args, model, [drafter])
+    profile = _auto_profile(args) if cfg.auto else None
 
     text = _TextStream(tok, sys.stdout)
     metrics = None
@@ -361,7 +364,7 @@ def _generate(args):
         with fast if fast is not None else contextlib.nullcontext():
             for out in stream(model, drafter, cfg, ids, max_new_tokens=args.max_new_tokens,
                               temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p,
-                              seed=args.seed, attention_backend=args.backend):
+                              seed=args.seed, attention_backend=args.backend, auto_profile=profile):
                 text.push(out.tokens[0])
                 metrics = out.metrics
     except KeyboardInterrupt:
@@ -374,7 +377,8 @@ def _generate(args):
     m = metrics
     print(f"[treespec] {m.num_generated} tokens in {m.total_seconds:.2f} s: {m.tokens_per_second:.1f} tokens/s, "
           f"mean accepted length {m.mean_accepted_length:.2f}, {m.num_steps} steps "
-          f"(draft {draft_name}, tree {tree_name})", file=sys.stderr)
+          f"(draft {draft_name}, tree {tree_name}"
+          + (f", mean tree size {m.mean_tree_size:.1f} nodes" if cfg.auto else "") + ")", file=sys.stderr)
 
 
 # ---- bench ------------------------------------------------------------------------------
@@ -422,6 +426,7 @@ def _add_bench(sub):
     p.add_argument("--plot-prefix", default=None,
                    help="file name prefix of the PNGs (default: the --out file's name and '-', e.g. r- for r.json; "
                         "else bench-)")
+    _add_auto_profile(p)
     p.set_defaults(func=_bench)
 
 
@@ -522,7 +527,8 @@ def _bench(args):
 
     res = run_bench(model, prompts, configs, max_new_tokens=args.max_new_tokens, temperature=sp.temperature,
                     top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p, seed=args.seed, warmup=args.warmup,
-                    attention_backend=args.backend, callback=progress, fast_path=fast)
+                    attention_backend=args.backend, callback=progress, fast_path=fast,
+                    auto_profile=_auto_profile(args))
     for bar in bars.values():
         bar.close()
     data = to_json(res, command="treespec " + shlex.join(_portable(a) for a in args.argv), model=args.model,
@@ -601,7 +607,7 @@ def _token_label(tok, t: int) -> str:
     piece = tok.convert_ids_to_tokens(t)
     if isinstance(piece, str) and piece[:1] in ("\u2581", "\u0120") and not s.startswith(" "):
         s = " " + s  # SentencePiece drops a lone token's leading space; it starts a word
-    s = s.replace("\n", "\\n").replace("\t", "\\t")
+    s = "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in s)  # \n, \x0e: no font draws those
     return s.replace(" ", "·") if s.strip() else repr(s)
 
 
@@ -790,14 +796,105 @@ def _export(args):
     from .export import export_head
 
     if args.tree == "auto":
-        raise UserError("--tree auto (a tree profiled on this machine) is not built yet (issue 9); "
-                        "give a preset or a JSON tree file")
+        raise UserError("--tree auto chooses each step's tree at run time from this machine's costs; a serving "
+                        "engine takes one fixed tree: give a preset or a JSON tree file")
     _check_draft_spec(args.draft)
     cfg, _ = _tree(args.tree)
     out = export_head(args.to, args.draft, cfg, model=args.model)
     print(out.command)
     for note in out.notes:
         print(f"# {note}")
+    return 0
+
+
+# ---- tune -------------------------------------------------------------------------------
+
+
+def _add_auto_profile(p):
+    p.add_argument("--auto-profile", default=None, metavar="PROFILE.json",
+                   help="for the auto tree: start from this profile (cost curve and calibration, from treespec tune) "
+                        "instead of the disk-cached cost curve and the prior calibration")
+
+
+def _auto_profile(args):
+    """The --auto-profile file as an AutoProfile, or None."""
+    if not getattr(args, "auto_profile", None):
+        return None
+    from .auto import AutoProfile
+
+    path = Path(args.auto_profile).expanduser()
+    if not path.is_file():
+        raise UserError(f"no auto profile at {args.auto_profile} (write one with treespec tune --out)")
+    try:
+        return AutoProfile.load(path)
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(f"bad auto profile {args.auto_profile}: {e}") from None
+
+
+def _add_tune(sub):
+    p = sub.add_parser(
+        "tune", help="learn an auto-tree profile (cost curve, calibration) for a model/draft pair",
+        description="Run the pair with the auto tree on sample prompts, learning the calibration of draft scores "
+                    "online; write the profile (cost curve, calibrations, machine and model keys) as JSON for "
+                    "generate/bench --auto-profile, and optionally pictures of the cost curve, the calibration and "
+                    "the tree sizes chosen. See docs/trees.md, auto.",
+    )
+    p.add_argument("--model", default=DEFAULT_MODEL, help="target: a treespec name, HF id or path")
+    p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft spec as for generate (default: %(default)s)")
+    p.add_argument("--tree", default="auto", help="an auto tree: 'auto' or a JSON file (default: %(default)s)")
+    p.add_argument("--dataset", default="gsm8k", help="gsm8k, humaneval or a .jsonl file (default: %(default)s)")
+    p.add_argument("--prompt-field", default=None, help="JSONL field holding the prompt")
+    p.add_argument("--raw", action="store_true", help="use the prompts as plain text, without the chat template")
+    p.add_argument("--num-prompts", type=int, default=10)
+    _add_sampling(p, seed=0)
+    _add_runtime(p)
+    p.add_argument("--auto-profile", default=None, metavar="PROFILE.json", help="start from this profile")
+    p.add_argument("--refresh-costs", action="store_true", help="measure the cost curve again (else the disk cache's)")
+    p.add_argument("--out", required=True, help="the profile JSON to write")
+    p.add_argument("--plot-dir", default=None, help="write cost_curve, calibration and tree_sizes PNGs here")
+    p.set_defaults(func=_tune)
+
+
+def _tune(args):
+    _check_early(args)  # before the imports below, which take seconds
+    from .bench import dataset_file, load_prompts, machine_info
+    from .tune import save_tune_plots, tune
+
+    sp = _sampling(args)
+    if args.num_prompts < 1:
+        raise UserError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    cfg, tree_name = _tree(args.tree)
+    if not cfg.auto:
+        raise UserError(f"--tree {args.tree} is not an auto tree: tune learns the profile auto trees decide from")
+    dataset_file(args.dataset)
+    _check_draft_spec(args.draft)
+    profile = _auto_profile(args)
+    _setup_threads(args)
+    model, tok = _load_target(args)
+    prompts, fmt = load_prompts(args.dataset, tok, args.num_prompts, prompt_field=args.prompt_field, raw=args.raw)
+    drafter, draft_name = _drafter(args.draft, model, tok, args.backend)
+    fast = _fast_path(args, model, [drafter])
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(prompts), desc="tune", unit="prompt", dynamic_ncols=True, disable=None)
+    with fast if fast is not None else contextlib.nullcontext():
+        res = tune(model, drafter, prompts, cfg, max_new_tokens=args.max_new_tokens, temperature=sp.temperature,
+                   top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p, seed=args.seed, attention_backend=args.backend,
+                   profile=profile, refresh_costs=args.refresh_costs, callback=lambda done, total: bar.update(1))
+    bar.close()
+    p = res.profile
+    p.keys.update(model=args.model, draft=draft_name, dataset=_portable(args.dataset), prompt_format=fmt,
+                  machine=machine_info(), command="treespec " + shlex.join(_portable(a) for a in args.argv))
+    out = p.save(args.out)
+    mean = sum(res.tree_sizes) / max(len(res.tree_sizes), 1)
+    print(f"{args.model} + {draft_name}, {len(prompts)} prompt(s): {res.num_generated} tokens, "
+          f"{res.num_generated / res.seconds if res.seconds else 0:.1f} tok/s, mean tree size {mean:.1f} nodes "
+          f"({'greedy' if sp.greedy else 'sampling'} calibration: {p.calibration(sp.greedy).num_observed} nodes)")
+    print(f"wrote {out}")
+    if args.plot_dir:
+        for path in save_tune_plots(p, res.tree_sizes, args.plot_dir, f"{Path(args.out).stem}-",
+                                    title=f"{args.model} + {draft_name}"):
+            print(f"wrote {path}")
     return 0
 
 
@@ -813,6 +910,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tree(sub)
     _add_train(sub)
     _add_export(sub)
+    _add_tune(sub)
     return parser
 
 
