@@ -290,19 +290,19 @@ def _generation_config(model, max_new_tokens: int, sp: SamplingParams, lookup: i
 
 
 def _run_one(model, cfg: BenchConfig, prompt: list[int], max_new_tokens: int, sp: SamplingParams,
-             seed: int | None, backend: str, fast_path=None) -> RunRecord:
+             seed: int | None, backend: str, fast_path=None, auto_profile=None) -> RunRecord:
     with fast_path if (fast_path is not None and cfg.fast) else contextlib.nullcontext():
-        return _run_one_inner(model, cfg, prompt, max_new_tokens, sp, seed, backend)
+        return _run_one_inner(model, cfg, prompt, max_new_tokens, sp, seed, backend, auto_profile)
 
 
 def _run_one_inner(model, cfg: BenchConfig, prompt: list[int], max_new_tokens: int, sp: SamplingParams,
-                   seed: int | None, backend: str) -> RunRecord:
+                   seed: int | None, backend: str, auto_profile=None) -> RunRecord:
     if cfg.kind == TREESPEC:
         t0 = time.perf_counter()
         out = ts_generate(
             model, cfg.drafter, cfg.tree, prompt, max_new_tokens=max_new_tokens,
             temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p,
-            seed=seed, attention_backend=backend,
+            seed=seed, attention_backend=backend, auto_profile=auto_profile,
         )
         seconds = time.perf_counter() - t0
         m = out.metrics
@@ -341,6 +341,7 @@ def run_bench(
     callback: Callable[[Progress], None] | None = None,
     fast_path=None,
     near_tie_tolerance: float | None = None,
+    auto_profile=None,
 ) -> BenchResult:
     """Run every configuration on every prompt (configurations inner, prompts outer).
 
@@ -359,6 +360,9 @@ def run_bench(
                   compared with non-speculative decoding that has the same advantage.
         near_tie_tolerance: greedy differences from HF generate are judged in fp32
                   (:mod:`treespec.divergence`); default by the model's dtype.
+        auto_profile: the :class:`~treespec.auto.AutoProfile` that ``auto`` trees start
+                  from (each auto configuration learns into its own copy, across its
+                  warm-up and prompts); None: a fresh one each (cost curve from the disk cache).
     """
     sp = SamplingParams(temperature, top_k, top_p, min_p)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -382,6 +386,10 @@ def run_bench(
                 notes.append(f"{r.config.name} skipped: {r.skipped}")
         notes.append("sampling: outputs are not compared token for token (same distribution, different draws)")
     active = [r for r in results if r.skipped is None]
+    from .auto import AutoProfile
+
+    profiles = {r.config.name: (auto_profile.copy() if auto_profile is not None else AutoProfile())
+                for r in active if r.config.kind == TREESPEC and r.config.tree.auto}
     for r in results:
         if r.config.kind == TREESPEC:
             r.config.drafter.check_compatible(model)
@@ -392,7 +400,8 @@ def run_bench(
     if warmup:
         short = list(prompts[0][:16])
         for i, r in enumerate(active):
-            _run_one(model, r.config, short, min(16, max_new_tokens), sp, seed, attention_backend, fast_path)
+            _run_one(model, r.config, short, min(16, max_new_tokens), sp, seed, attention_backend, fast_path,
+                     profiles.get(r.config.name))
             if callback:
                 callback(Progress("warmup", i + 1, len(active), r.config.name))
 
@@ -401,7 +410,8 @@ def run_bench(
         for r in active:
             if callback:
                 callback(Progress("prompts", i, len(prompts), r.config.name))
-            rec = _run_one(model, r.config, list(prompt), max_new_tokens, sp, s, attention_backend, fast_path)
+            rec = _run_one(model, r.config, list(prompt), max_new_tokens, sp, s, attention_backend, fast_path,
+                           profiles.get(r.config.name))
             r.runs.append(rec)
             log.info("prompt %d %s: %d tokens, %.1f tokens/s", i, r.config.name, len(rec.tokens), rec.tokens_per_second)
             if sp.greedy and r is not results[0]:
@@ -464,6 +474,7 @@ def _config_figures(r: ConfigResult, base: ConfigResult) -> dict:
             acceptance_rate_by_position=[c / max(steps, 1) for c in counts] if r.config.speculates else None,
             num_steps=sum(m["num_steps"] for m in ms),
             tree_tokens=sum(m["tree_tokens"] for m in ms),
+            mean_tree_size=sum(m["mean_tree_size"] * m["num_request_steps"] for m in ms) / max(steps, 1),
             **split,
             other_seconds=max(engine_total - sum(split.values()), 0.0),
             time_split={k.replace("_seconds", ""): v / engine_total if engine_total > 0 else 0.0
@@ -571,8 +582,11 @@ def format_table(data: dict, max_positions: int = 5) -> str:
             mm = "0"
             if c["mismatches"]:
                 mm = f"{c['mismatches']}: {c.get('near_ties', 0)} near-tie, {c.get('unexplained', c['mismatches'])} unexplained"
+        name = c["name"]
+        if str(c.get("tree_config", "")).startswith("auto(") and c.get("mean_tree_size") is not None:
+            name += f" ({c['mean_tree_size']:.1f} nodes)"  # what the cost-aware tree chose on average
         rows.append([
-            c["name"], _fmt(c["tokens_per_second"], ".1f"), _fmt(c["median_tokens_per_second"], ".1f"),
+            name, _fmt(c["tokens_per_second"], ".1f"), _fmt(c["median_tokens_per_second"], ".1f"),
             _fmt(c["speedup"], ".2f") + ("x" if c["speedup"] is not None else ""),
             _fmt(c["median_speedup"], ".2f") + ("x" if c["median_speedup"] is not None else ""),
             _fmt(c.get("speedup_vs_best_baseline"), ".2f") + ("x" if c.get("speedup_vs_best_baseline") is not None else ""),

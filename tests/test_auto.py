@@ -1,0 +1,427 @@
+"""Cost-aware trees (``auto``): the selection rule on synthetic cost curves and scores, the
+monotone calibration, the early-stop bound, the cost-curve cache, the profile's JSON, the
+metrics, and ``treespec tune`` / ``bench --auto-profile`` end to end on a tiny model.
+
+Cost curves here are synthetic (in units of one decode step): a measured curve on a shared
+machine is noise, and the rule must be pinned on known inputs."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import treespec
+from tiny import save_tiny_lm, tiny_model
+from treespec import AutoProfile, Tree, TreeConfig
+from treespec import costs as costs_mod
+from treespec.auto import AutoController, best_sizes, choice_order, choose_tree, keep_drafting
+from treespec.builder import build_dynamic_trees
+from treespec.calibration import Calibration, pav
+from treespec.costs import CostCurve, cached_cost_curve, cost_key, measure_cost_curve
+from treespec.drafters import ModelDrafter, NgramDrafter
+from treespec.drafters.ngram import trie_tree
+from treespec.runner import ModelRunner
+
+FLAT = CostCurve((1, 128), (1.0, 1.0))  # a GPU-like verify: any tree costs one step
+STEEP = CostCurve((1, 2, 128), (1.0, 2.0, 128.0))  # every extra token costs a whole step
+MID = CostCurve((1, 2, 128), (1.0, 1.25, 32.75))  # every extra token costs a quarter step
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    yield
+
+
+def exact() -> Calibration:
+    """A calibration that trusts the draft: exp(score) at the bin centres, whatever it sees."""
+    return Calibration(prior_weight=1e9)
+
+
+def example_tree() -> Tree:
+    """A confident chain 1 -> 2 -> 3 and unlikely siblings 4 (of the root) and 5 (of 1)."""
+    #            root  1      2      3      4     5
+    parents = [-1, 0, 1, 2, 0, 1]
+    scores = [0.0, -0.05, -0.1, -0.15, -3.5, -4.0]
+    return Tree(parents, [0, 1, 2, 3, 4, 5], scores)
+
+
+# ---- the rule ---------------------------------------------------------------------------
+
+
+def test_best_size_worked_example():
+    # t(q) = 1 + 0.25 (q - 1): J(0) = 1/1, J(1) = 1.9/1.25 = 1.52, J(2) = 2.4/1.5 = 1.6,
+    # J(3) = 2.5/1.75 = 1.43 -> two nodes.
+    n, rate = best_sizes(np.array([[0.9, 0.5, 0.1]]), MID, 0.0)
+    assert n.tolist() == [2] and rate[0] == pytest.approx(1.6)
+    # A draft time shared by every n makes the verify cost relatively cheaper: one more node.
+    n, _ = best_sizes(np.array([[0.9, 0.5, 0.3]]), MID, 2.0)
+    assert n.tolist() == [3]
+
+
+def test_flat_curve_picks_the_largest_tree():
+    tree = example_tree()
+    chosen = choose_tree(tree, exact(), FLAT, 0.0)
+    assert chosen is tree  # every node has p > 0 and costs nothing
+
+
+def test_mid_curve_picks_the_confident_chain():
+    chosen = choose_tree(example_tree(), exact(), MID, 0.0)
+    assert chosen.parents.tolist() == [-1, 0, 1, 2]  # the chain, siblings dropped
+    assert chosen.tokens.tolist() == [0, 1, 2, 3]
+
+
+def test_steep_curve_picks_nothing_when_even_the_best_node_is_unlikely():
+    tree = Tree([-1, 0, 1, 0], [0, 1, 2, 3], [0.0, -1.2, -2.0, -2.5])  # best p = 0.30
+    chosen = choose_tree(tree, exact(), STEEP, 0.0)
+    assert chosen.num_drafted == 0 and chosen.tokens.tolist() == [0]
+    # Where a token costs a whole step nothing can pay: (1 + p) / 2 <= 1. Where it costs
+    # 0.9 of a step, a near-certain first node does (1.98 / 1.9 > 1), its child not.
+    sure = Tree([-1, 0, 1], [0, 1, 2], [0.0, -0.02, -2.0])
+    assert choose_tree(sure, exact(), STEEP, 0.0).num_drafted == 0
+    almost = CostCurve((1, 2, 128), (1.0, 1.9, 115.3))
+    assert choose_tree(sure, exact(), almost, 0.0).parents.tolist() == [-1, 0]
+
+
+def _markov_trees(seed: int, cfg: TreeConfig, B: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    V = 12
+    table = torch.randn(V, V, generator=g).mul(2.0).log_softmax(-1)
+    root = torch.randn(B, V, generator=g).mul(2.0).log_softmax(-1)
+    return build_dynamic_trees(torch.arange(B), root, lambda f: (table[f.tokens], None), cfg)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_every_prefix_of_the_choice_order_is_a_tree(seed):
+    """Ancestor-closed for every n: a child ranks after its parent (score <= parent's, deeper)."""
+    for tree in _markov_trees(seed, TreeConfig.dynamic(4, 3, 20)):
+        order = choice_order(tree)
+        pos = {int(i): r for r, i in enumerate(order)}
+        for i in order.tolist():
+            p = int(tree.parents[i])
+            assert p == 0 or pos[p] < pos[i]
+        for n in range(tree.num_nodes):
+            sub = tree.subtree(order[:n].tolist())
+            assert sub.num_drafted == n
+            assert torch.all(sub.scores[1:] <= sub.scores[sub.parents[1:]] + 1e-6)
+
+
+def test_subtree_refuses_a_hole():
+    with pytest.raises(ValueError, match="ancestor-closed"):
+        example_tree().subtree([2])  # node 2 without its parent 1
+
+
+# ---- calibration -------------------------------------------------------------------------
+
+
+def test_pav_literal_cases():
+    assert pav(np.array([0.5, 0.2, 0.8]), np.ones(3)).tolist() == pytest.approx([0.35, 0.35, 0.8])
+    assert pav(np.array([0.9, 0.1]), np.array([1.0, 3.0])).tolist() == pytest.approx([0.3, 0.3])
+    assert pav(np.array([0.1, 0.2, 0.3]), np.ones(3)).tolist() == pytest.approx([0.1, 0.2, 0.3])
+
+
+def test_prior_is_exp_score_and_monotone():
+    c = Calibration()
+    assert c.num_observed == 0
+    np.testing.assert_allclose(c.fitted(), np.exp(c.centres))
+    s = np.linspace(-15, 0, 200)
+    p = c(s)
+    assert np.all(np.diff(p) >= -1e-12) and p[-1] <= 1 and p[0] >= 0
+    assert c(np.array([-np.inf]))[0] == 0.0
+
+
+def test_calibration_learns_a_monotone_fit_from_outcomes():
+    """An over-confident draft: true acceptance is half of exp(score)."""
+    rng = np.random.default_rng(0)
+    s = -rng.exponential(1.5, size=20000)
+    truth = 0.5 * np.exp(s)
+    c = Calibration()
+    c.observe(s, rng.random(s.size) < truth)
+    fit = c.fitted()
+    assert np.all(np.diff(fit) >= 0)
+    well = np.array(c.seen) > 300
+    np.testing.assert_allclose(fit[well], 0.5 * np.exp(c.centres[well]), atol=0.06)
+    assert c(np.array([-0.05]))[0] < 0.6  # the prior said 0.95
+
+
+def test_calibration_forces_monotone_on_noisy_bins():
+    c = Calibration(prior_weight=1.0)
+    # A confident bin that got unlucky, below a less confident one that got lucky.
+    c.observe([-0.05] * 10 + [-1.1] * 10, [0] * 8 + [1] * 2 + [1] * 9 + [0])
+    fit = c.fitted()
+    assert np.all(np.diff(fit) >= 0)
+    low, high = c.bin_of(np.array([-1.1, -0.05]))
+    assert fit[low] == pytest.approx(fit[high])  # pooled into one block
+
+
+# ---- early stop --------------------------------------------------------------------------
+
+
+def test_keep_drafting_bound():
+    probs = np.array([[0.9, 0.8, 0.1]])
+    # A flat curve and a free level: any node with p > 0 may help.
+    assert keep_drafting(probs, np.array([0.05]), FLAT, 0.0, 0.0, max_nodes=8, width=2).tolist() == [True]
+    # Steep: a node must be worth more than J* times a whole step; p_f = 0.3 is not.
+    assert keep_drafting(probs, np.array([0.3]), STEEP, 0.0, 0.0, max_nodes=8, width=2).tolist() == [False]
+    # Flat, but a level costs as much as a verify: p_f = 0.5 does not pay for it ...
+    assert keep_drafting(probs, np.array([0.5]), FLAT, 0.0, 1.0, max_nodes=8, width=2).tolist() == [False]
+    # ... while four such nodes per level could (m = 4 <= room).
+    assert keep_drafting(probs, np.array([0.95]), FLAT, 0.0, 1.0, max_nodes=8, width=2).tolist() == [True]
+    # Budget full: only swaps of the weakest chosen node (0.1) can help.
+    full = np.array([[0.9, 0.8, 0.1]])
+    assert keep_drafting(full, np.array([0.7]), FLAT, 0.0, 0.01, max_nodes=3, width=2).tolist() == [True]
+    assert keep_drafting(full, np.array([0.12]), FLAT, 0.0, 0.5, max_nodes=3, width=2).tolist() == [False]
+
+
+def test_builder_stops_when_told_and_keeps_the_pool():
+    cfg = TreeConfig.dynamic(5, 3, 30)
+    seen = []
+
+    def stop(depth, frontier, pool):
+        seen.append((depth, tuple(frontier.shape), pool.shape[1]))
+        return depth == 2
+
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(12, 12, generator=g).log_softmax(-1)
+    (tree,) = build_dynamic_trees(torch.tensor([0]), table[:1], lambda f: (table[f.tokens], None), cfg, stop=stop)
+    assert seen == [(1, (1, 3), 3), (2, (1, 3), 12)]
+    assert tree.max_depth == 2 and tree.num_drafted == 12  # min(30, pool of 3 + 9)
+
+
+@pytest.mark.parametrize("curve, levels", [(FLAT, 5), (STEEP, 1)])
+def test_controller_drafts_deep_on_flat_costs_and_stops_on_steep(curve, levels):
+    cfg = TreeConfig.auto(max_depth=5, top_k=3, max_nodes=30)
+    ctl = AutoController(AutoProfile(costs=curve, level_seconds=0.0), 30, 3, greedy=True)
+    g = torch.Generator().manual_seed(1)
+    table = torch.randn(12, 12, generator=g).mul(0.5).log_softmax(-1)  # a diffuse draft: p ~ 0.1
+    asked = []
+
+    def stop(depth, frontier, pool):
+        asked.append((depth, ctl.stop(depth, frontier, pool)))
+        return asked[-1][1]
+
+    ctl.begin_step()
+    (tree,) = build_dynamic_trees(torch.tensor([0]), table[:1], lambda f: (table[f.tokens], None), cfg, stop=stop)
+    drafted = 1 + sum(not s for _, s in asked)  # level 1 comes with the root's log-probs
+    assert drafted == levels
+    assert tree.max_depth <= levels
+
+
+# ---- cost curve and its cache ------------------------------------------------------------
+
+
+def test_cost_curve_interpolates_and_extends():
+    c = CostCurve((1, 3, 5), (1.0, 2.0, 2.5))
+    assert c(np.array([1, 2, 4, 5, 7])).tolist() == pytest.approx([1.0, 1.5, 2.25, 2.5, 3.0])
+    with pytest.raises(ValueError):
+        CostCurve((2, 1), (1.0, 1.0))
+    assert CostCurve.from_json(json.loads(json.dumps(c.to_json()))) == c
+
+
+def test_measure_cost_curve_on_a_tiny_model():
+    runner = ModelRunner(tiny_model("llama", 0))
+    with runner.attached():
+        c = measure_cost_curve(runner, 5, repeats=1)
+    assert c.tokens == (1, 2, 3, 4, 5)
+    assert all(b >= a > 0 for a, b in zip(c.seconds, c.seconds[1:]))
+
+
+def test_cost_cache_round_trip_and_keys(monkeypatch, tmp_path):
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
+    calls = []
+
+    def fake(runner, max_tokens, repeats=3):
+        calls.append(max_tokens)
+        return CostCurve((1, max_tokens), (1.0, 1.0 + len(calls)))
+
+    monkeypatch.setattr(costs_mod, "measure_cost_curve", fake)
+    model = tiny_model("llama", 2)
+    runner = ModelRunner(model)
+    with runner.attached():
+        first = cached_cost_curve(runner, 9)
+        assert calls == [9]
+        assert cached_cost_curve(runner, 9) == first and calls == [9]  # read back from disk
+        assert cached_cost_curve(runner, 5) == first and calls == [9]  # a longer curve serves
+        files = list((tmp_path / "costs").glob("*.json"))
+        assert len(files) == 1
+        saved = json.loads(files[0].read_text())
+        key = cost_key(runner)
+        assert saved["key"] == key and CostCurve.from_json(saved["curve"]) == first
+        assert key["dtype"] == "float32" and key["backend"] == "torch" and key["packed"] is False
+        assert key["parameters"] == sum(p.numel() for p in model.parameters())
+        assert cached_cost_curve(runner, 12) != first and calls == [9, 12]  # too short: measured
+        assert cached_cost_curve(runner, 12, refresh=True) and calls == [9, 12, 12]
+        torch.set_num_threads(2)  # another thread count is another key
+        try:
+            assert cost_key(runner)["threads"] == 2
+            cached_cost_curve(runner, 9)
+            assert calls == [9, 12, 12, 9]
+        finally:
+            torch.set_num_threads(1)
+    other = ModelRunner(tiny_model("llama", 2, layers=3))
+    assert cost_key(other)["model_config"] != key["model_config"]
+    assert len(list((tmp_path / "costs").glob("*.json"))) == 2
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
+def test_cost_key_sees_packed_weights():
+    from treespec.packing import PackedLinears
+
+    model = tiny_model("llama", 3)
+    runner = ModelRunner(model)
+    with PackedLinears(model):
+        assert cost_key(runner)["packed"] is True
+    assert cost_key(runner)["packed"] is False
+
+
+# ---- profile -----------------------------------------------------------------------------
+
+
+def test_profile_json_round_trip(tmp_path):
+    p = AutoProfile(costs=MID, level_seconds=0.003, keys={"model": "tiny"})
+    p.greedy.observe([-0.1, -0.1, -2.0], [1, 0, 0])
+    p.sampling.observe([-0.5], [1])
+    path = p.save(tmp_path / "p.json")
+    q = AutoProfile.load(path)
+    assert q.to_json() == p.to_json()
+    assert q.greedy.seen == p.greedy.seen and q.costs == MID and q.level_seconds == 0.003
+    np.testing.assert_allclose(q.greedy(np.array([-0.1, -1.0])), p.greedy(np.array([-0.1, -1.0])))
+    c = p.copy()
+    c.greedy.observe([-0.1], [1])
+    assert p.greedy.num_observed == 3  # a copy learns on its own
+    (tmp_path / "bad.json").write_text('{"format": "other"}')
+    with pytest.raises(ValueError, match="auto profile"):
+        AutoProfile.load(tmp_path / "bad.json")
+
+
+def test_auto_config_value():
+    cfg = TreeConfig.auto(max_depth=4, top_k=3, max_nodes=10)
+    assert cfg.auto and cfg.kind == "dynamic" and cfg.max_tree_tokens == 11
+    assert cfg.describe() == "auto(max_depth=4, top_k=3, max_nodes=10)"
+    assert cfg != TreeConfig.dynamic(4, 3, 10) and not TreeConfig.dynamic(4, 3, 10).auto
+    assert TreeConfig.preset("auto").auto
+    with pytest.raises(ValueError, match="fixed shape"):
+        cfg.to_vllm()
+    with pytest.raises(ValueError, match="dynamic"):
+        TreeConfig("static", 1, 1, 1, ((0,),), auto=True)
+    with pytest.raises(ValueError, match="candidate pool"):
+        TreeConfig.auto(max_depth=2, top_k=2, max_nodes=7)
+
+
+def test_ngram_scores_are_log_shares():
+    tree = trie_tree(9, [[1, 2, 3], [1, 2, 4], [1, 5], [6]], num_nodes=10)
+    share = dict(zip(tree.tokens.tolist()[1:], np.exp(tree.scores.numpy()[1:]).tolist()))
+    assert share == pytest.approx({1: 0.75, 2: 0.5, 3: 0.25, 4: 0.25, 5: 0.25, 6: 0.25})
+    assert float(tree.scores[0]) == 0.0
+    assert torch.all(tree.scores[1:] <= tree.scores[tree.parents[1:]])
+
+
+# ---- through the engine ------------------------------------------------------------------
+
+
+def hf_greedy(model, prompt, n):
+    ids = torch.tensor([prompt])
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)[0, len(prompt):].tolist()
+
+
+PROMPTS = [[1, 2, 3, 1, 2, 3, 1], [50, 51, 52]]
+
+
+def test_metrics_record_chosen_sizes():
+    model, twin = tiny_model("llama", 0), tiny_model("llama", 0)
+    refs = [hf_greedy(model, p, 16) for p in PROMPTS]
+    big = treespec.generate(model, ModelDrafter(twin), TreeConfig.auto(3, 2, 6), PROMPTS, max_new_tokens=16,
+                            auto_profile=AutoProfile(costs=FLAT))
+    m = big.metrics
+    assert big.sequences == refs
+    assert len(m.tree_sizes) == m.num_request_steps and all(0 <= s <= 6 for s in m.tree_sizes)
+    assert m.mean_tree_size > 3 and m.summary()["mean_tree_size"] == m.mean_tree_size
+    assert m.tree_tokens == sum(m.tree_sizes) + m.num_request_steps
+    # Steep costs and a profile that learned the draft is useless: the root alone every step.
+    useless = AutoProfile(costs=STEEP)
+    useless.greedy.observe(np.zeros(1000) - 0.01, np.zeros(1000))
+    none = treespec.generate(model, ModelDrafter(twin), TreeConfig.auto(3, 2, 6), PROMPTS, max_new_tokens=16,
+                             auto_profile=useless)
+    assert none.sequences == refs
+    assert set(none.metrics.tree_sizes) == {0} and none.metrics.mean_accepted_length == 1.0
+
+
+def test_profile_learns_across_calls_and_fixed_configs_record_sizes():
+    model, twin = tiny_model("qwen2", 1), tiny_model("qwen2", 1)
+    profile = AutoProfile(costs=MID)
+    treespec.generate(model, ModelDrafter(twin), "auto", PROMPTS, max_new_tokens=10, auto_profile=profile)
+    seen = profile.greedy.num_observed
+    assert seen > 0 and profile.level_seconds is not None and profile.sampling.num_observed == 0
+    treespec.generate(model, NgramDrafter(), "auto", PROMPTS, max_new_tokens=10, auto_profile=profile,
+                      temperature=1.0, seed=0)
+    assert profile.greedy.num_observed == seen  # sampling learns into its own calibration
+    fixed = treespec.generate(model, NgramDrafter(), "chain-3", PROMPTS, max_new_tokens=10).metrics
+    assert len(fixed.tree_sizes) == fixed.num_request_steps and max(fixed.tree_sizes) <= 3
+
+
+def test_auto_without_a_profile_uses_the_disk_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
+    model = tiny_model("llama", 1)
+    out = treespec.generate(model, NgramDrafter(), TreeConfig.auto(2, 2, 4), PROMPTS, max_new_tokens=6)
+    assert out.sequences == [hf_greedy(model, p, 6) for p in PROMPTS]
+    assert len(list((tmp_path / "costs").glob("*.json"))) == 1
+
+
+# ---- command line ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lm_dir(tmp_path_factory):
+    return str(save_tiny_lm(tmp_path_factory.mktemp("tiny-lm")))
+
+
+def test_tune_writes_a_profile_and_pictures_and_bench_reads_it(capsys, monkeypatch, tmp_path, lm_dir):
+    from treespec import cli
+
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path / "cache"))
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["Once upon a time", "Tom and Lily and Tom"]))
+    prof = tmp_path / "prof.json"
+    rc = cli.main(["tune", "--model", lm_dir, "--draft", f"model:{lm_dir}", "--dataset", str(data), "--prompt-field",
+                   "text", "--num-prompts", "2", "--max-new-tokens", "12", "--out", str(prof), "--plot-dir",
+                   str(tmp_path / "plots"), "--no-pack", "--dtype", "float32"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    p = AutoProfile.load(prof)
+    assert p.costs is not None and p.greedy.num_observed > 0 and p.sampling.num_observed == 0
+    assert p.keys["model"] == lm_dir and p.keys["costs"]["dtype"] == "float32" and "cpu" in p.keys["machine"]
+    for name in ("cost_curve", "calibration", "tree_sizes"):
+        assert (tmp_path / "plots" / f"prof-{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "mean tree size" in out
+
+    res = tmp_path / "b.json"
+    rc = cli.main(["bench", "--model", lm_dir, "--dataset", str(data), "--prompt-field", "text", "--num-prompts",
+                   "2", "--max-new-tokens", "8", "--config", "ngram@auto", "--config", "ngram@chain-2",
+                   "--auto-profile", str(prof), "--no-warmup", "--no-hf-lookup", "--no-pack", "--out", str(res)])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    configs = {c["name"]: c for c in json.loads(res.read_text())["configs"]}
+    auto = configs["ngram/auto"]
+    assert auto["tree_config"].startswith("auto(") and auto["mismatches"] == 0
+    assert 0 <= auto["mean_tree_size"] <= 32 and configs["ngram/chain-2"]["mean_tree_size"] <= 2
+    assert "ngram/auto (" in out and " nodes)" in out
+
+    rc = cli.main(["generate", "--model", lm_dir, "--draft", "ngram", "--tree", "auto", "--prompt", "Tom and",
+                   "--max-new-tokens", "6", "--auto-profile", str(prof), "--no-pack"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "mean tree size" in err
+    rc = cli.main(["generate", "--model", lm_dir, "--draft", "ngram", "--tree", "auto", "--prompt", "Tom",
+                   "--auto-profile", str(tmp_path / "missing.json")])
+    _, err = capsys.readouterr()
+    assert rc == 2 and "no auto profile" in err
+
+
+def test_tune_refuses_a_fixed_tree(capsys, lm_dir, tmp_path):
+    from treespec import cli
+
+    rc = cli.main(["tune", "--model", lm_dir, "--tree", "cpu", "--out", str(tmp_path / "x.json")])
+    _, err = capsys.readouterr()
+    assert rc == 2 and "not an auto tree" in err

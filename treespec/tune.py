@@ -1,0 +1,131 @@
+"""``treespec tune``: learn an auto profile for a model/draft pair on sample prompts.
+
+    profile, sizes = tune(model, drafter, prompts, max_new_tokens=128)
+    profile.save("profile.json")
+    save_tune_plots(profile, sizes, "plots/")
+
+The pair generates with an ``auto`` tree on every prompt, one shared
+:class:`~treespec.auto.AutoProfile` learning online (the calibration of the sampling mode
+used, the draft time per level); the cost curve comes from the disk cache or is measured
+first. The pictures: the cost curve, the calibration (fitted against the prior, with the
+observations per bin) and the histogram of the tree sizes chosen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+from .auto import AutoProfile
+from .config import TreeConfig
+from .engine import generate
+
+__all__ = ["tune", "TuneResult", "save_tune_plots"]
+
+
+@dataclass
+class TuneResult:
+    profile: AutoProfile
+    tree_sizes: list[int] = field(default_factory=list)  # drafted nodes verified, per request-step
+    num_generated: int = 0
+    seconds: float = 0.0
+    accepted_length: list[float] = field(default_factory=list)  # tau per prompt
+
+
+def tune(model, drafter, prompts: Sequence[Sequence[int]], tree: TreeConfig | str = "auto", *,
+         max_new_tokens: int = 128, temperature: float = 0.0, top_k=None, top_p=None, min_p=None,
+         seed: int | None = 0, attention_backend: str = "auto", profile: AutoProfile | None = None,
+         refresh_costs: bool = False, callback: Callable[[int, int], None] | None = None) -> TuneResult:
+    """Run ``drafter`` with an auto ``tree`` on each prompt, learning into ``profile`` (a
+    fresh one if None); ``callback(done, total)`` after each prompt."""
+    cfg = TreeConfig.preset(tree) if isinstance(tree, str) else tree
+    if not cfg.auto:
+        raise ValueError(f"tune needs an auto tree (e.g. 'auto' or TreeConfig.auto(...)), got {cfg.describe()}")
+    profile = profile if profile is not None else AutoProfile()
+    if refresh_costs:
+        from .runner import ModelRunner
+
+        runner = ModelRunner(model, attention_backend)
+        with runner.attached():
+            profile.prepare(runner, cfg.max_tree_tokens, refresh=True)
+    result = TuneResult(profile)
+    for i, p in enumerate(prompts):
+        out = generate(model, drafter, cfg, list(p), max_new_tokens=max_new_tokens, temperature=temperature,
+                       top_k=top_k, top_p=top_p, min_p=min_p, seed=None if seed is None else seed + i,
+                       attention_backend=attention_backend, auto_profile=profile)
+        m = out.metrics
+        result.tree_sizes.extend(m.tree_sizes)
+        result.num_generated += m.num_generated
+        result.seconds += m.total_seconds
+        result.accepted_length.append(m.mean_accepted_length)
+        if callback:
+            callback(i + 1, len(prompts))
+    profile.keys["tree"] = cfg.describe()
+    return result
+
+
+def save_tune_plots(profile: AutoProfile, tree_sizes: Sequence[int], out_dir, prefix: str = "",
+                    title: str = "") -> list[Path]:
+    """Three PNGs: ``{prefix}cost_curve.png``, ``{prefix}calibration.png`` and
+    ``{prefix}tree_sizes.png``. Returns the paths written."""
+    from matplotlib.figure import Figure
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+
+    def save(fig, name):
+        fig.set_layout_engine("tight")
+        paths.append(out_dir / f"{prefix}{name}.png")
+        fig.savefig(paths[-1], format="png", dpi=100)
+
+    fig = Figure(figsize=(6.4, 4.0))
+    ax = fig.add_subplot()
+    if profile.costs is not None:
+        c = profile.costs
+        ax.plot(c.tokens, [s * 1e3 for s in c.seconds], marker="o", label="verify forward")
+        ax.axhline(c.seconds[0] * 1e3, color="#999999", lw=0.8, ls="--", label="one token (a decode step)")
+    if profile.level_seconds:
+        ax.axhline(profile.level_seconds * 1e3, color="#c07030", lw=0.8, ls=":", label="one draft level")
+    ax.set_xlabel("tokens verified (tree nodes, root included)")
+    ax.set_ylabel("ms")
+    ax.set_ylim(bottom=0)
+    key = profile.keys.get("costs", {})
+    ax.set_title(f"measured verify cost\n{title} {key.get('dtype', '')} {key.get('device', '')} "
+                 f"{key.get('threads', '')} threads".strip(), fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    save(fig, "cost_curve")
+
+    fig = Figure(figsize=(6.4, 4.0))
+    ax = fig.add_subplot()
+    counts = ax.twinx()
+    centres = profile.greedy.centres
+    ax.plot(centres, profile.greedy.prior, color="#999999", ls="--", label="prior exp(score)")
+    width = 0.35 * min(abs(b - a) for a, b in zip(centres, centres[1:]))
+    for i, (name, cal) in enumerate((("greedy", profile.greedy), ("sampling", profile.sampling))):
+        if cal.num_observed:
+            ax.plot(centres, cal.fitted(), marker="o", label=f"{name}: fitted ({cal.num_observed} nodes)")
+            counts.bar(centres + (i - 0.5) * width, cal.seen, width=width, alpha=0.25, label=f"{name} nodes")
+    ax.set_xlabel("draft score (cumulative log-probability)")
+    ax.set_ylabel("P(accepted)")
+    ax.set_ylim(0, 1.02)
+    counts.set_ylabel("verified nodes per bin")
+    ax.set_title(f"calibration of draft scores\n{title}".strip(), fontsize=9)
+    ax.legend(fontsize=7, loc="upper left")
+    ax.grid(alpha=0.3)
+    save(fig, "calibration")
+
+    fig = Figure(figsize=(6.4, 4.0))
+    ax = fig.add_subplot()
+    sizes = list(tree_sizes)
+    top = max(sizes, default=0)
+    ax.hist(sizes, bins=range(0, top + 2), align="left", color="#4a6d8c")
+    mean = sum(sizes) / max(len(sizes), 1)
+    ax.set_xlabel("drafted nodes verified (0: the root alone)")
+    ax.set_ylabel("request-steps")
+    ax.set_title(f"tree sizes chosen (mean {mean:.1f}, {len(sizes)} steps)\n{title}".strip(), fontsize=9)
+    ax.grid(axis="y", alpha=0.3)
+    save(fig, "tree_sizes")
+    return paths
