@@ -40,6 +40,10 @@ def test_every_preset_builds(name):
         assert shape.num_drafted == config.num_nodes and shape.max_depth == config.depth
         assert int(shape.children_count().max()) == config.top_k
         assert config.describe().startswith("chain(" if config.is_chain else "static(")
+    elif config.auto:
+        assert config.describe() == (
+            f"auto(max_depth={config.depth}, top_k={config.top_k}, max_nodes={config.num_nodes})"
+        )
     else:
         assert config.describe() == (
             f"dynamic(depth={config.depth}, top_k={config.top_k}, num_nodes={config.num_nodes})"
@@ -59,7 +63,7 @@ def test_static_presets_round_trip_through_vllm(name):
 @pytest.mark.parametrize("name", [n for n, p in PRESETS.items() if p.config.kind == "dynamic"])
 def test_dynamic_presets_have_no_vllm_shape(name):
     config = PRESETS[name].config
-    with pytest.raises(ValueError, match="dynamic TreeConfig has none"):
+    with pytest.raises(ValueError, match="auto TreeConfig chooses" if config.auto else "dynamic TreeConfig has none"):
         config.to_vllm()
     with pytest.raises(ValueError, match="no fixed shape"):
         config.static_tree()

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 import treespec
 from tiny import dynamic_configs, tiny_model
-from treespec import Tree, TreeConfig
+from treespec import AutoProfile, Tree, TreeConfig
+from treespec.costs import CostCurve
 from treespec.drafters.base import DraftSession, Drafter
 from treespec.drafters.model import ModelDrafter
 from treespec.drafters.ngram import NgramDrafter
@@ -76,10 +77,16 @@ def random_dynamic():
     return dynamic_configs(max_top_k=3, max_nodes=12)
 
 
+def random_auto():
+    """The "auto" preset, or auto sizing within a random dynamic maximum."""
+    return st.one_of(st.just("auto"), random_dynamic().map(lambda c: TreeConfig.auto(c.depth, c.top_k, c.num_nodes)))
+
+
 tree_configs = st.one_of(
     st.sampled_from(["chain-1", "chain-3", "cpu", "cpu-tiny", "eagle1"]),
     random_dynamic(),
     random_static(),
+    random_auto(),
 )
 
 prompt_lists = st.lists(st.lists(st.integers(0, 63), min_size=1, max_size=12), min_size=1, max_size=4)
@@ -98,7 +105,7 @@ def as_input(prompts: list[list[int]], form: str):
 
 # ---- greedy equality ----------------------------------------------------------------------
 
-@settings(max_examples=14, **SETTINGS)
+@settings(max_examples=18, **SETTINGS)
 @given(
     family=st.sampled_from(FAMILIES),
     seed=st.integers(0, 3),
@@ -107,11 +114,15 @@ def as_input(prompts: list[list[int]], form: str):
     tree_cfg=tree_configs,
     drafter=st.sampled_from(["ngram", "weak", "twin"]),
     max_new=st.integers(1, 20),
+    verify_cost=st.sampled_from([0.0, 0.3, 1.0]),
 )
-def test_greedy_equals_hf_generate(family, seed, prompts, form, tree_cfg, drafter, max_new):
+def test_greedy_equals_hf_generate(family, seed, prompts, form, tree_cfg, drafter, max_new, verify_cost):
     model = target(family, seed)
+    # "auto" chooses each step's size from a cost curve: flat (the whole tree), a quarter-ish
+    # step per token (sizes vary), or a whole step per token (the root alone).
+    profile = AutoProfile(costs=CostCurve((1, 2, 64), (1.0, 1.0 + verify_cost, 1.0 + 63 * verify_cost)))
     out = treespec.generate(model, make_drafter(drafter, family, seed), tree_cfg,
-                            as_input(prompts, form), max_new_tokens=max_new)
+                            as_input(prompts, form), max_new_tokens=max_new, auto_profile=profile)
     assert len(out.sequences) == len(prompts)
     for p, seq in zip(prompts, out.sequences):
         ref = reference(family, seed, tuple(p), max_new)

@@ -19,7 +19,8 @@ import torch
 
 import treespec
 from tiny import tiny_model
-from treespec import SamplingParams, TreeConfig
+from treespec import AutoProfile, SamplingParams, TreeConfig
+from treespec.costs import CostCurve
 from treespec.drafters.model import ModelDrafter
 from treespec.drafters.ngram import NgramDrafter
 
@@ -155,16 +156,22 @@ def test_sampling_params_match_hf_generate():
         assert torch.allclose(hf, ours, atol=1e-6), kw
 
 
-@pytest.mark.parametrize("drafter", ["twin", "ngram"])
-def test_distribution_matches_model(drafter):
+@pytest.mark.parametrize("drafter,tree", [("twin", "dynamic"), ("ngram", "dynamic"), ("twin", "auto")])
+def test_distribution_matches_model(drafter, tree):
     """N seeded requests, 3 new tokens each: the first verify step has a depth-1 tree, so
-    token 2 is an accepted draft or a correction and token 3 often the bonus after it."""
+    token 2 is an accepted draft or a correction and token 3 often the bonus after it.
+    ``auto`` verifies a part of the same tree chosen per request from its scores (a token
+    costs a quarter step here): choosing fewer nodes must not change the distribution."""
     model = soft_model(1, vocab=E2E_V, peak=6.0)
     draft = ModelDrafter(twin(1, vocab=E2E_V, peak=6.0)) if drafter == "twin" else NgramDrafter()
     N = 400
-    out = treespec.generate(model, draft, TreeConfig.dynamic(3, 3, 6), [E2E_PROMPT] * N, max_new_tokens=3,
-                            seed=10_000, **E2E_PARAMS)
+    cfg = TreeConfig.auto(3, 3, 6) if tree == "auto" else TreeConfig.dynamic(3, 3, 6)
+    profile = AutoProfile(costs=CostCurve((1, 2, 64), (1.0, 1.25, 16.75)))
+    out = treespec.generate(model, draft, cfg, [E2E_PROMPT] * N, max_new_tokens=3,
+                            seed=10_000, auto_profile=profile, **E2E_PARAMS)
     m = out.metrics
+    if tree == "auto":
+        assert 0 < m.mean_tree_size < 6 and len(set(m.tree_sizes)) > 1  # sizes were chosen, and varied
     assert m.tree_tokens > m.num_request_steps  # trees had drafted nodes ...
     assert m.acceptance_counts and m.acceptance_counts[0] > N // 10  # ... and some were accepted
     params = SamplingParams(**E2E_PARAMS)
