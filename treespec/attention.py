@@ -152,13 +152,19 @@ class TorchBackend(AttentionBackend):
         p: TorchPlan = batch.plan
         B = len(batch.seqs)
         T, H, D = q.shape
-        qp = q.new_zeros(B * p.n_max, H, D)
-        qp[p.q_index] = q
-        qp = qp.view(B, p.n_max, H, D).transpose(1, 2)  # [B, H, n_max, D]
+        # On a CPU, SDPA in fp32 is faster than in bf16/fp16 (measured 49 vs 188 us for one
+        # query over 200 keys, AMD EPYC) and rounds less; the inputs are small to cast.
+        dtype = torch.float32 if q.device.type == "cpu" else q.dtype
+        if B == 1:  # one request: its tokens are already the padded batch
+            qp = q.to(dtype).transpose(0, 1)[None]  # [1, H, T, D]
+        else:
+            qp = q.new_zeros(B * p.n_max, H, D, dtype=dtype)
+            qp[p.q_index] = q.to(dtype)
+            qp = qp.view(B, p.n_max, H, D).transpose(1, 2)  # [B, H, n_max, D]
         k, v = batch.cache.gather(layer, p.gather_slots)  # [B, kv_max, Hkv, D]
         if isinstance(p.gather_slots, slice):
             k, v = k[None], v[None]
-        k, v = k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype)
+        k, v = k.transpose(1, 2).to(dtype), v.transpose(1, 2).to(dtype)
         mask = p.mask
         if sliding_window is not None:
             # Same convention as transformers' sliding-window masks: a query at position p
@@ -168,7 +174,9 @@ class TorchBackend(AttentionBackend):
             mask[..., 0] |= ~mask.any(-1)  # rows left empty are padding-only
         out = F.scaled_dot_product_attention(
             qp, k, v, attn_mask=mask, scale=scaling, enable_gqa=k.shape[1] != H
-        )  # [B, H, n_max, D]
+        ).to(q.dtype)  # [B, H, n_max, D]
+        if B == 1:
+            return out[0].transpose(0, 1)  # [T, H, D]
         out = out.transpose(1, 2).reshape(B * p.n_max, H, D)
         return out[p.q_index]
 
