@@ -82,6 +82,6 @@ def test_pyproject_package_data_carries_every_data_file():
     folder = Path(data.__file__).parent
     files = [p.relative_to(folder.parent).as_posix() for p in folder.iterdir()
              if p.is_file() and p.suffix != ".py" and p.name != "__pycache__"]
-    assert len(files) == 6  # three datasets, two licences, the README
+    assert len(files) == 10  # six datasets, three licences, the README
     for f in files:
         assert any(fnmatch.fnmatch(f, pat) for pat in patterns), f"{f} would be left out of a wheel"

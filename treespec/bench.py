@@ -65,6 +65,7 @@ DATASETS = {
         "Complete the following Python function. Reply with the whole function in one "
         "Python code block.\n\n```python\n{text}```",
     ),
+    "chat": ("chat-eval", "prompt", "{text}"),  # held out from chat-train (treespec/train/prompts.py)
 }
 
 
