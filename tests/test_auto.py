@@ -265,6 +265,27 @@ def test_cost_cache_round_trip_and_keys(monkeypatch, tmp_path):
     assert len(list((tmp_path / "costs").glob("*.json"))) == 2
 
 
+def test_profile_takes_this_settings_curve(monkeypatch, tmp_path, caplog):
+    """A profile's curve from another setting is replaced (the calibration is kept); one
+    without a key (a synthetic curve) or with this setting's key is used as is."""
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(costs_mod, "measure_cost_curve", lambda runner, q, repeats=3: CostCurve((1, q), (1.0, 2.0)))
+    runner = ModelRunner(tiny_model("llama", 2))
+    key = cost_key(runner)
+    synthetic = AutoProfile(costs=MID)
+    synthetic.prepare(runner, 9)
+    assert synthetic.costs == MID
+    mine = AutoProfile(costs=MID, keys={"costs": key})
+    mine.prepare(runner, 9)
+    assert mine.costs == MID
+    foreign = AutoProfile(costs=MID, keys={"costs": {**key, "dtype": "bfloat16"}})
+    foreign.greedy.observe([-0.1], [1])
+    foreign.prepare(runner, 9)
+    assert foreign.costs == CostCurve((1, 9), (1.0, 2.0)) and foreign.keys["costs"] == key
+    assert foreign.greedy.num_observed == 1
+    assert "another setting" in caplog.text and "dtype" in caplog.text
+
+
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
 def test_cost_key_sees_packed_weights():
     from treespec.packing import PackedLinears

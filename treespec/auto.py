@@ -160,12 +160,15 @@ class AutoProfile:
         """Make sure the cost curve covers ``max_tokens`` (from the disk cache, else
         measured); the model must be attached to ``runner``."""
         key = cost_key(runner)
-        if self.costs is None or refresh or self.costs.max_tokens < max_tokens:
+        other = self.keys.get("costs") not in (None, key)
+        if other:
+            # A curve from another dtype, thread count or machine would mislead every choice;
+            # the calibration describes the pair and still applies.
+            log.warning("this auto profile's cost curve was measured for another setting (%s): using this "
+                        "setting's curve instead (disk cache, else measured)", _diff(self.keys["costs"], key))
+        if self.costs is None or refresh or other or self.costs.max_tokens < max_tokens:
             self.costs = cached_cost_curve(runner, max_tokens, refresh=refresh)
             self.keys["costs"] = key
-        elif self.keys.get("costs") not in (None, key):
-            log.warning("this auto profile's cost curve was measured for another setting (%s); it is used as is: "
-                        "refresh it with `treespec tune` on this machine", _diff(self.keys["costs"], key))
 
     # ---- JSON ---------------------------------------------------------------------------
 
