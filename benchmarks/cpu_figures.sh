@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Every CPU figure of docs/benchmarks.md ("CPU fast path" sections), one after another, on a
+# quiet machine (nothing else on the cores: two-thread timings are distorted several-fold by
+# any other process). Each step writes its JSON and text under benchmarks/results/ and is
+# skipped when its JSON already exists, so an interrupted run resumes where it stopped.
+#
+#   bash benchmarks/cpu_figures.sh 2>&1 | tee /tmp/cpu_figures.log
+#   STEPS="cost bench-bf16" bash benchmarks/cpu_figures.sh     # a subset
+set -euo pipefail
+cd "$(dirname "$0")/.."
+R=benchmarks/results
+STEPS=${STEPS:-"cost profile gemm compile bench-bf16 bench-fp32 humaneval-bf16"}
+HEAD=smollm2-135m-instruct-eagle
+
+step() {  # step NAME OUTPUT COMMAND...
+  local name=$1 out=$2
+  shift 2
+  [[ " $STEPS " == *" $name "* ]] || return 0
+  if [ -e "$out" ]; then echo "== $name: $out exists, skipped"; return 0; fi
+  echo "== $name: $* ($(date -u +%H:%M:%S))"
+  "$@"
+}
+
+step cost $R/forward_cost-bfloat16.json python benchmarks/forward_cost.py --dtype bfloat16
+step cost $R/forward_cost-float32.json python benchmarks/forward_cost.py --dtype float32
+step profile $R/profile_verify-bfloat16.json python benchmarks/profile_verify.py --dtype bfloat16
+step profile $R/profile_verify-float32.json python benchmarks/profile_verify.py --dtype float32
+step gemm $R/gemm_small_m.txt sh -c "python benchmarks/gemm_small_m.py > $R/gemm_small_m.txt"
+step compile $R/compile_check-bfloat16.json python benchmarks/compile_check.py --dtype bfloat16
+
+# End to end, GSM8K test, first 50 questions, 256 new tokens, greedy, bf16: plain HF generate,
+# the same-advantage baselines (HF generate and treespec without a draft, both on packed
+# weights), chains and trees of the shipped head.
+step bench-bf16 $R/cpu-fast-gsm8k50-bf16.json treespec bench --dtype bfloat16 --dataset gsm8k \
+  --num-prompts 50 --max-new-tokens 256 --no-hf-lookup \
+  --config $HEAD@chain-2 --config $HEAD@chain-3 --config $HEAD@cpu-tiny --config $HEAD@cpu \
+  --config $HEAD@auto --out $R/cpu-fast-gsm8k50-bf16.json --plot-dir $R
+step bench-fp32 $R/cpu-fast-gsm8k20-fp32.json treespec bench --dtype float32 --dataset gsm8k \
+  --num-prompts 20 --max-new-tokens 256 --no-hf-lookup \
+  --config $HEAD@chain-2 --config $HEAD@chain-3 --config $HEAD@cpu-tiny --config $HEAD@cpu \
+  --out $R/cpu-fast-gsm8k20-fp32.json --plot-dir $R
+step humaneval-bf16 $R/cpu-fast-humaneval20-bf16.json treespec bench --dtype bfloat16 --dataset humaneval \
+  --num-prompts 20 --max-new-tokens 256 --no-hf-lookup \
+  --config $HEAD@chain-2 --config $HEAD@cpu-tiny --config $HEAD@auto \
+  --out $R/cpu-fast-humaneval20-bf16.json --plot-dir $R
+echo "== done ($(date -u +%H:%M:%S))"
