@@ -17,7 +17,7 @@ import treespec
 from tiny import save_tiny_lm, tiny_model
 from treespec import AutoProfile, Tree, TreeConfig
 from treespec import costs as costs_mod
-from treespec.auto import AutoController, best_sizes, choice_order, choose_tree, keep_drafting
+from treespec.auto import AutoController, best_sizes, choice_order, choose_tree, choose_trees, keep_drafting
 from treespec.builder import build_dynamic_trees
 from treespec.calibration import Calibration, pav
 from treespec.costs import CostCurve, cached_cost_curve, cost_key, measure_cost_curve
@@ -162,17 +162,35 @@ def test_calibration_forces_monotone_on_noisy_bins():
 def test_keep_drafting_bound():
     probs = np.array([[0.9, 0.8, 0.1]])
     # A flat curve and a free level: any node with p > 0 may help.
-    assert keep_drafting(probs, np.array([0.05]), FLAT, 0.0, 0.0, max_nodes=8, width=2).tolist() == [True]
+    assert keep_drafting(probs, np.array([0.05]), FLAT, 0.0, 0.0, max_nodes=8, width=2) is True
     # Steep: a node must be worth more than J* times a whole step; p_f = 0.3 is not.
-    assert keep_drafting(probs, np.array([0.3]), STEEP, 0.0, 0.0, max_nodes=8, width=2).tolist() == [False]
+    assert keep_drafting(probs, np.array([0.3]), STEEP, 0.0, 0.0, max_nodes=8, width=2) is False
     # Flat, but a level costs as much as a verify: p_f = 0.5 does not pay for it ...
-    assert keep_drafting(probs, np.array([0.5]), FLAT, 0.0, 1.0, max_nodes=8, width=2).tolist() == [False]
+    assert keep_drafting(probs, np.array([0.5]), FLAT, 0.0, 1.0, max_nodes=8, width=2) is False
     # ... while four such nodes per level could (m = 4 <= room).
-    assert keep_drafting(probs, np.array([0.95]), FLAT, 0.0, 1.0, max_nodes=8, width=2).tolist() == [True]
+    assert keep_drafting(probs, np.array([0.95]), FLAT, 0.0, 1.0, max_nodes=8, width=2) is True
     # Budget full: only swaps of the weakest chosen node (0.1) can help.
     full = np.array([[0.9, 0.8, 0.1]])
-    assert keep_drafting(full, np.array([0.7]), FLAT, 0.0, 0.01, max_nodes=3, width=2).tolist() == [True]
-    assert keep_drafting(full, np.array([0.12]), FLAT, 0.0, 0.5, max_nodes=3, width=2).tolist() == [False]
+    assert keep_drafting(full, np.array([0.7]), FLAT, 0.0, 0.01, max_nodes=3, width=2) is True
+    assert keep_drafting(full, np.array([0.12]), FLAT, 0.0, 0.5, max_nodes=3, width=2) is False
+
+
+def test_batch_chooses_jointly():
+    """One forward verifies the batch: the nodes worth their cost are picked across requests,
+    so a sure request keeps more than an unsure one, and a lone request gets the rule."""
+    sure = Tree([-1, 0, 1, 2], [0, 1, 2, 3], [0.0, -0.02, -0.05, -0.1])
+    unsure = Tree([-1, 0, 0, 1], [0, 1, 2, 3], [0.0, -1.5, -2.0, -2.5])
+    a, b = choose_trees([sure, unsure], exact(), MID, 0.0)
+    assert a.num_drafted == 3 and b.num_drafted == 0
+    assert choose_trees([sure], exact(), MID, 0.0)[0] is sure
+    assert choose_trees([unsure], exact(), MID, 0.0)[0].num_drafted == choose_tree(unsure, exact(), MID, 0.0).num_drafted
+    # Copies of one tree: every copy keeps a prefix of the same order, and on a flat curve all.
+    copies = choose_trees([example_tree()] * 3, exact(), MID, 0.0)
+    for t in copies:
+        assert t.tokens.tolist() == example_tree().tokens.tolist()[: t.num_nodes]
+    assert all(t is example_tree() or t.num_drafted == 5 for t in choose_trees([example_tree()] * 3, exact(), FLAT, 0.0))
+    with_plain = choose_trees([Tree([-1, 0], [0, 1]), sure], exact(), MID, 0.0)  # no scores: kept whole
+    assert with_plain[0].num_drafted == 1
 
 
 def test_builder_stops_when_told_and_keeps_the_pool():

@@ -26,8 +26,11 @@ for some m >= 1 (t_level: one more level's draft time, measured online). When n*
 whole budget, deeper nodes can only replace chosen ones, gaining at most p_f - p_min each.
 When no request can gain, drafting stops.
 
-Batches: each request chooses its own size from the single-request curve (the forward's
-cost for the batch is not split per request), an approximation for B > 1.
+Batches: one forward verifies every request's tree (their tokens packed into one row), so
+the batch chooses jointly: the best prefix of the merged order of all requests' nodes by p,
+with B roots, maximising (B + sum of chosen p) / (t_draft + t_verify(B + chosen nodes)); the
+early stop asks the same of the batch (p_f: the best frontier of any request). For B = 1
+both are the rule above.
 
 Letters: B requests, N drafted nodes, P pool candidates, k top-k.
 """
@@ -48,7 +51,8 @@ from .calibration import Calibration
 from .costs import CostCurve, cached_cost_curve, cost_key
 from .tree import Tree
 
-__all__ = ["AutoProfile", "AutoController", "choice_order", "best_sizes", "keep_drafting", "choose_tree"]
+__all__ = ["AutoProfile", "AutoController", "choice_order", "best_sizes", "keep_drafting", "choose_tree",
+           "choose_trees"]
 
 log = logging.getLogger(__name__)
 
@@ -66,66 +70,84 @@ def choice_order(tree: Tree) -> np.ndarray:
     return idx[np.lexsort((idx, depth, -scores))]
 
 
-def best_sizes(probs: np.ndarray, costs: CostCurve, draft_seconds) -> tuple[np.ndarray, np.ndarray]:
-    """The n maximising ``J(n)`` per request.
+def best_sizes(probs: np.ndarray, costs: CostCurve, draft_seconds, roots: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """The n maximising ``J(n) = (roots + p_1 + ... + p_n) / (t_draft + t_verify(roots + n))``.
 
     Args:
-        probs:         float ``[B, N]``: acceptance probabilities in choice order (0-padded).
+        probs:         float ``[R, N]``: per row, acceptance probabilities in choice order
+                       (0-padded); rows are independent problems.
         costs:         the verify cost curve.
-        draft_seconds: scalar or ``[B]``: this step's draft time.
+        draft_seconds: scalar or ``[R]``: this step's draft time.
+        roots:         roots verified with the nodes (1 per request of the forward).
     Returns:
-        ``(n [B] int, J(n) [B])``; ties go to the smaller tree.
+        ``(n [R] int, J(n) [R])``; ties go to the smaller tree.
     """
     probs = np.atleast_2d(probs)
-    B, N = probs.shape
-    E = 1.0 + np.concatenate([np.zeros((B, 1)), np.cumsum(probs, axis=1)], axis=1)  # [B, N+1]
-    T = np.asarray(draft_seconds, dtype=np.float64).reshape(-1, 1) + costs(np.arange(1, N + 2))[None]  # [B|1, N+1]
+    R, N = probs.shape
+    E = roots + np.concatenate([np.zeros((R, 1)), np.cumsum(probs, axis=1)], axis=1)  # [R, N+1]
+    T = np.asarray(draft_seconds, dtype=np.float64).reshape(-1, 1) + costs(roots + np.arange(N + 1))[None]
     rate = E / T
     n = rate.argmax(axis=1)
-    return n, rate[np.arange(B), n]
+    return n, rate[np.arange(R), n]
 
 
 def keep_drafting(probs: np.ndarray, frontier_probs: np.ndarray, costs: CostCurve, draft_seconds: float,
-                  level_seconds: float, max_nodes: int, width: int) -> np.ndarray:
-    """Per request, whether one more draft level could raise the best rate.
+                  level_seconds: float, max_nodes: int, width: int) -> bool:
+    """Whether one more draft level could raise the batch's best rate.
 
     Args:
-        probs:          float ``[B, P]``: the pool's acceptance probabilities, descending.
-        frontier_probs: float ``[B]``: the best frontier node's probability (p_f).
+        probs:          float ``[B, P]``: each request's pool probabilities, descending.
+        frontier_probs: float ``[B]``: each request's best frontier probability; p_f is
+                        their maximum.
         draft_seconds:  draft time spent so far this step.
         level_seconds:  estimated time of one more level (t_level).
-        max_nodes:      N_max, the most nodes a tree may verify.
-        width:          top-k: one level adds at most k*k candidates.
-    Returns:
-        bool ``[B]``.
+        max_nodes:      N_max, the most nodes a request's tree may verify.
+        width:          top-k: one level adds at most k*k candidates per request.
     """
     probs = np.atleast_2d(probs)[:, :max_nodes]
     B = probs.shape[0]
-    n_star, J = best_sizes(probs, costs, draft_seconds)
-    c = costs(np.arange(0, max_nodes + 2))  # c[q]: q tokens, q = 0 .. N_max + 1
-    m = np.arange(1, max_nodes + 1)[None]  # [1, N_max]
-    room = np.minimum(max_nodes - n_star, width * width)[:, None]  # [B, 1]
-    q = np.minimum(n_star[:, None] + 1 + m, max_nodes + 1)
-    extra = (level_seconds + c[q] - c[n_star + 1][:, None]) / m  # [B, N_max]
-    bound = np.where(m <= room, extra, np.inf).min(axis=1)
-    grow = frontier_probs > J * bound
+    flat = -np.sort(-probs.ravel())  # the batch's candidates, best first
+    n, J = (x[0] for x in best_sizes(flat[None], costs, draft_seconds, roots=B))
+    p_f = float(np.max(frontier_probs))
+    room = min(B * max_nodes - int(n), B * width * width)
+    if room >= 1:
+        m = np.arange(1, room + 1)
+        extra = (level_seconds + costs(B + n + m) - costs(B + n)) / m
+        return bool(p_f > J * extra.min())
     # A full budget: deeper nodes can only replace the weakest chosen ones.
-    full = n_star >= max_nodes
-    if full.any():
-        p_min = probs[np.arange(B), np.maximum(n_star - 1, 0)]
-        swaps = min(width * width, max_nodes)
-        grow = np.where(full, swaps * (frontier_probs - p_min) > J * level_seconds, grow)
-    return grow
+    swaps = B * min(width * width, max_nodes)
+    return bool(swaps * (p_f - flat[n - 1]) > J * level_seconds)
+
+
+def choose_trees(trees: Sequence[Tree], calibration: Calibration, costs: CostCurve,
+                 draft_seconds: float) -> list[Tree]:
+    """Each tree cut to a prefix of its choice order, the prefixes chosen jointly: the step's
+    forward verifies every request's tokens at once, so the batch maximises
+    ``(B + sum of chosen p) / (t_draft + t_verify(B + chosen nodes))``. For one request
+    this is the rule above. Trees without scores are verified whole."""
+    fixed = sum(t.num_drafted for t in trees if t.scores is None)
+    orders, probs, owner = [], [], []
+    for b, t in enumerate(trees):
+        order = choice_order(t) if t.scores is not None else np.zeros(0, dtype=np.int64)
+        orders.append(order)
+        probs.append(calibration(t.scores.numpy()[order]) if order.size else np.zeros(0))
+        owner.append(np.full(order.size, b))
+    p, owner = np.concatenate(probs), np.concatenate(owner)
+    # Within a request p never increases along its order, and the sort is stable: every
+    # prefix of the merged order is a prefix of each request's order.
+    merged = np.argsort(-p, kind="stable")
+    n = int(best_sizes(p[merged][None], costs, draft_seconds, roots=len(trees) + fixed)[0][0])
+    counts = np.bincount(owner[merged[:n]], minlength=len(trees))
+    out = []
+    for t, order, k in zip(trees, orders, counts.tolist()):
+        keep = t.scores is None or k == t.num_drafted
+        out.append(t if keep else t.subtree(np.sort(order[:k]).tolist()))
+    return out
 
 
 def choose_tree(tree: Tree, calibration: Calibration, costs: CostCurve, draft_seconds: float) -> Tree:
-    """The best prefix of ``tree``'s choice order, as a tree (nodes kept in index order)."""
-    if tree.num_drafted == 0 or tree.scores is None:
-        return tree
-    order = choice_order(tree)
-    p = calibration(tree.scores.numpy()[order])
-    n = int(best_sizes(p[None], costs, draft_seconds)[0][0])
-    return tree if n == tree.num_drafted else tree.subtree(np.sort(order[:n]).tolist())
+    """One request's tree: the best prefix of its choice order."""
+    return choose_trees([tree], calibration, costs, draft_seconds)[0]
 
 
 # ---- the profile: what is measured and learned ----------------------------------------------
@@ -247,9 +269,8 @@ class AutoController:
         pool = pool_scores.detach().float().cpu().numpy().astype(np.float64)
         probs = self.calibration(-np.sort(-pool, axis=1))
         p_f = self.calibration(frontier_scores.detach().float().cpu().numpy().max(axis=1))
-        grow = keep_drafting(probs, p_f, self.profile.costs, time.perf_counter() - self._t0,
-                             self.profile.level_seconds or 0.0, self.max_nodes, self.top_k)
-        if grow.any():
+        if keep_drafting(probs, p_f, self.profile.costs, time.perf_counter() - self._t0,
+                         self.profile.level_seconds or 0.0, self.max_nodes, self.top_k):
             self._levels += 1
             return False
         return True
@@ -259,7 +280,7 @@ class AutoController:
             per_level = propose_seconds / self._levels
             old = self.profile.level_seconds
             self.profile.level_seconds = per_level if old is None else (1 - LEVEL_EMA) * old + LEVEL_EMA * per_level
-        return [choose_tree(t, self.calibration, self.profile.costs, propose_seconds) for t in trees]
+        return choose_trees(trees, self.calibration, self.profile.costs, propose_seconds)
 
     def learn(self, trees: Sequence[Tree], paths: Sequence[Sequence[int]]) -> None:
         """Each verified drafted node is accepted iff it lies on its request's committed path."""
