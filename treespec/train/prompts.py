@@ -33,6 +33,7 @@ import random
 import re
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 __all__ = ["stdlib_code_prompts", "chat_prompts", "write_jsonl_gz", "STDLIB_MODULES",
@@ -129,11 +130,12 @@ def stdlib_code_prompts(modules=STDLIB_MODULES, seed: int = 0) -> list[dict]:
     rows, seen_sentences, seen_prompts = [], set(), set()
     for modname in modules:
         try:
-            _objects_list = list(_objects(modname))
+            with warnings.catch_warnings():  # typing.io and the like warn when their docstrings are read
+                warnings.simplefilter("ignore", DeprecationWarning)
+                _objects_list = [(q, o, inspect.getdoc(o)) for q, o in _objects(modname)]
         except ImportError:
             continue
-        for qual, obj in _objects_list:
-            doc = inspect.getdoc(obj)
+        for qual, obj, doc in _objects_list:
             sentence = _first_sentence(doc) if doc else None
             if sentence is None or sentence in seen_sentences:
                 continue

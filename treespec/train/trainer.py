@@ -71,6 +71,10 @@ class TrainConfig:
     val_examples: int = 32
     checkpoint_every: int = 200
     threads: int | None = None
+    captured: str | None = None  # a treespec capture folder (treespec.train.capture): train on its
+    # shards (the first max_examples conversations) instead of capturing from data
+    val_captured: str | None = None  # a capture folder held out for validation (all its greedy
+    # conversations, up to val_examples), so that runs on different data compare on one set
 
 
 @dataclass
@@ -96,7 +100,7 @@ class _Hooks:
     def __init__(self, model, ids):
         self.ids, self.store, self.handles = ids, {i: [] for i in ids}, []
         dec = model.get_decoder()
-        for i in ids:
+        for i in dict.fromkeys(ids):  # one hook per layer: a small model may repeat one (2, 2, 2)
             if i == -1:
                 self.handles.append(dec.norm.register_forward_hook(
                     lambda m, a, o, i=i: self.store[i].append(o.detach())))
@@ -108,7 +112,7 @@ class _Hooks:
     def take(self) -> torch.Tensor:
         """``[B, T, F]`` with calls concatenated along time."""
         out = torch.cat([torch.cat(self.store[i], 1) for i in self.ids], -1)
-        for i in self.ids:
+        for i in self.store:
             self.store[i].clear()
         return out
 
@@ -395,7 +399,12 @@ def train_eagle(model, tokenizer, cfg: TrainConfig, callback: Callable[[Progress
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     cap_path = out / "captured.pt"
-    if cap_path.exists():
+    if cfg.captured:
+        from .capture import load_shards
+
+        records = load_shards(cfg.captured, eagle3=cfg.eagle3, limit=cfg.max_examples)
+        log.info("training on %d conversations captured in %s", len(records), cfg.captured)
+    elif cap_path.exists():
         records = torch.load(cap_path, weights_only=False)
         log.info("resuming: %d captured conversations from %s", len(records), cap_path)
     else:
@@ -422,7 +431,12 @@ def train_eagle(model, tokenizer, cfg: TrainConfig, callback: Callable[[Progress
     rng = random.Random(cfg.seed)
     order = list(range(len(records)))
     rng.shuffle(order)
-    val = order[: min(cfg.val_examples, len(order) // 10)]
+    val_records = None
+    if cfg.val_captured:
+        from .capture import load_shards
+
+        val_records = load_shards(cfg.val_captured, eagle3=cfg.eagle3, greedy_only=True)[: cfg.val_examples]
+    val = [] if val_records else order[: min(cfg.val_examples, len(order) // 10)]
     train = order[len(val):]
     steps_per_epoch = math.ceil(len(train) / cfg.batch_size)
     total_steps = max(1, int(steps_per_epoch * cfg.epochs))
@@ -475,9 +489,9 @@ def train_eagle(model, tokenizer, cfg: TrainConfig, callback: Callable[[Progress
                 torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step,
                             "config": asdict(cfg)}, ckpt)
     head.eval()
-    if val:
+    if val or val_records:
         with torch.no_grad():
-            vb = _collate(records, val)
+            vb = _collate(val_records, range(len(val_records))) if val_records else _collate(records, val)
             vloss, vacc = ttt_loss(head, vb, cfg.ttt_steps)
         log.info("validation loss %.3f, top-1 accuracy by step %s", float(vloss), [round(a, 3) for a in vacc])
         (out / "validation.txt").write_text(

@@ -1,0 +1,193 @@
+"""Broader training data and the sharded capture: the generated prompt sets are the shipped
+ones and share nothing with the evaluation sets; a capture killed mid-way and resumed equals
+an uninterrupted one; the sampled share is honoured; training reads the shards (either
+layout from one capture). On the tests' tiny model folder (``tiny.save_tiny_lm``)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from treespec import data, models
+from treespec.train import TrainConfig, train_eagle
+from treespec.train.capture import (
+    CaptureConfig, _interleave, _sampled, capture_plan, capture_shards, load_shards, parse_data_spec, shard_files,
+)
+from treespec.train.prompts import EVAL_TEMPLATES, EVAL_TOPICS, chat_prompts, stdlib_code_prompts
+
+from tiny import save_tiny_lm
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    yield
+
+
+# ---- prompt sets ------------------------------------------------------------------------------
+
+
+def test_chat_prompts_are_the_shipped_ones_and_the_eval_set_is_held_out():
+    for split, name in (("train", "chat-train"), ("eval", "chat-eval")):
+        assert chat_prompts(split) == chat_prompts(split) == data.load_dataset(name)
+    train = data.load_dataset("chat-train")
+    assert len(train) == 3808 and len(data.load_dataset("chat-eval")) == 48
+    assert not {r["topic"] for r in train} & set(EVAL_TOPICS)
+    assert not any(t.split("{topic}")[0] in r["prompt"] for t in EVAL_TEMPLATES for r in train)
+
+
+def test_stdlib_code_prompts_are_the_shipped_ones():
+    shipped = data.load_dataset("stdlib-code")
+    assert len(shipped) == 3168 and {r["kind"] for r in shipped} == {"write", "howto", "explain"}
+    if shipped[0]["python"] != "%d.%d.%d" % sys.version_info[:3]:
+        pytest.skip(f"the shipped set was made with Python {shipped[0]['python']}: docstrings differ by version")
+    assert stdlib_code_prompts() == shipped
+
+
+def test_training_prompts_share_no_text_with_the_evaluation_sets():
+    train = [r["prompt"] for n in ("stdlib-code", "chat-train") for r in data.load_dataset(n)]
+    train += [r["question"] for r in data.load_dataset("gsm8k-train")]
+    evals = ([r["prompt"] for r in data.load_dataset("humaneval")] + [r["question"] for r in data.load_dataset("gsm8k-test")]
+             + [r["prompt"] for r in data.load_dataset("chat-eval")])
+    assert not set(train) & set(evals)
+    # No HumanEval docstring line and no GSM8K-test question sentence inside a generated prompt
+    # (GSM8K's own train and test splits share a few sentences: that is upstream's split).
+    joined = "\n".join(r["prompt"] for n in ("stdlib-code", "chat-train") for r in data.load_dataset(n))
+    lines = {ln.strip() for r in data.load_dataset("humaneval") for ln in r["prompt"].splitlines() if len(ln.strip()) >= 40}
+    lines |= {s.strip() for r in data.load_dataset("gsm8k-test") for s in r["question"].split(". ") if len(s.strip()) >= 60}
+    assert not [ln for ln in lines if ln in joined]
+
+
+# ---- plan -------------------------------------------------------------------------------------
+
+
+def test_parse_data_spec_and_interleave_prefixes_follow_the_mix():
+    assert parse_data_spec("a[:100], b[5:],c") == [("a", None, 100), ("b", 5, None), ("c", None, None)]
+    order = _interleave([6, 3], [2.0, 1.0])
+    assert [d for d, _ in order] == [0, 1, 0, 0, 1, 0, 0, 1, 0]  # every prefix close to 2:1
+    assert [i for d, i in order if d == 0] == list(range(6))  # each dataset in its own order
+    assert [d for d, _ in _interleave([1, 4], [1.0, 1.0])] == [0, 1, 1, 1, 1]  # an exhausted set drops out
+
+
+def test_capture_plan_mixes_packaged_sets_with_slices(tmp_path):
+    cfg = CaptureConfig(data="gsm8k-train[:10],stdlib-code[:5],chat-train[-3:]", out_dir=str(tmp_path),
+                        mix=(2, 1, 1))
+    plan = capture_plan(cfg)
+    keys = [k for k, _ in plan]
+    assert len(plan) == 18 and keys[:4] == ["gsm8k-train:0", "stdlib-code:0", "chat-train:3805", "gsm8k-train:1"]
+    assert len(capture_plan(CaptureConfig(data=cfg.data, out_dir=str(tmp_path), max_examples=7))) == 7
+    with pytest.raises(ValueError, match="one non-negative weight per dataset"):
+        CaptureConfig(data="gsm8k-train,chat-train", out_dir=str(tmp_path), mix=(1,))
+
+
+# ---- capture ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tmp_path_factory):
+    return models.load(save_tiny_lm(tmp_path_factory.mktemp("lm") / "lm"))
+
+
+def _data(tmp_path):
+    lines = [json.dumps({"question": q, "answer": "He liked it a lot."}) for q in (
+        "Tom had a ball.", "The sun was hot.", "Lily saw a dog.", "One day, a big dog ran.", "She saw a red ball.",
+        "Once upon a time.", "Tom and Lily played.", "The dog ran to the park.")]
+    lines.append(json.dumps({"text": "Once upon a time there was a little girl named Lily."}))
+    lines.append(json.dumps({"question": "x" * 400, "answer": "too long"}))
+    f = tmp_path / "d.jsonl"
+    f.write_text("\n".join(lines) + "\n")
+    return str(f)
+
+
+def _cfg(data, out, **kw):
+    return CaptureConfig(data=data, out_dir=str(out), max_new_tokens=10, max_length=80, shard_size=3, batch_size=2,
+                         sample_share=0.5, sample_temperature=0.9, seed=1, **kw)
+
+
+def _same(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x["source"] == y["source"] and x["sampled"] == y["sampled"] and x["prompt_len"] == y["prompt_len"]
+        assert torch.equal(x["tokens"], y["tokens"]) and torch.equal(x["labels"], y["labels"])
+        assert torch.equal(x["features"], y["features"])
+
+
+def test_capture_resumes_after_a_kill_with_the_same_result(tiny_lm, tmp_path):
+    model, tok = tiny_lm
+    data = _data(tmp_path)
+    whole = capture_shards(model, tok, _cfg(data, tmp_path / "a"))
+    assert whole["shards"] == 4 and whole["written"] == 4 and whole["too_long"] == 1
+
+    seen = []
+
+    def kill_in_second_shard(p):
+        seen.append(p)
+        raise KeyboardInterrupt  # stands for a kill after the first shard
+
+    b = tmp_path / "b"
+    with pytest.raises(KeyboardInterrupt):
+        capture_shards(model, tok, _cfg(data, b), callback=kill_in_second_shard)
+    (b / "shard-000003-000006.pt.tmp").write_bytes(b"half a shard")  # what a kill mid-write leaves
+    assert [p.name for p in shard_files(b)] == ["shard-000000-000003.pt"]
+    rest = capture_shards(model, tok, _cfg(data, b))
+    assert (rest["skipped"], rest["written"]) == (1, 3)
+    assert [p.name for p in shard_files(b)] == [p.name for p in shard_files(tmp_path / "a")]
+    _same(load_shards(b, mmap=False), load_shards(tmp_path / "a", mmap=False))
+    again = capture_shards(model, tok, _cfg(data, b))
+    assert (again["skipped"], again["written"]) == (4, 0)
+    with pytest.raises(ValueError, match="other settings.*sample_share"):
+        capture_shards(model, tok, CaptureConfig(data=data, out_dir=str(b), max_new_tokens=10, max_length=80,
+                                                 shard_size=3, batch_size=2, seed=1, sample_temperature=0.9))
+
+    records = load_shards(b)
+    assert [r["index"] for r in records] == [0, 1, 2, 3, 4, 5, 6, 7, 8]  # 9 (too long) skipped, no duplicate
+    keys = [f"{data}:{i}" for i in range(8)]
+    assert [r["sampled"] for r in records[:8]] == [_sampled(_cfg(data, b), k)[0] for k in keys]
+    assert not records[8]["sampled"] and records[8]["prompt_len"] == 0  # plain text: teacher-forced
+    H = model.config.hidden_size
+    assert records[0]["features"].shape[1] == 3 * H  # EAGLE-3 view of the 4H stored
+    assert load_shards(b, eagle3=False)[0]["features"].shape[1] == H
+    assert len(load_shards(b, limit=4)) == 4 and all(not r["sampled"] for r in load_shards(b, greedy_only=True))
+    for r in records[:8]:  # target answers: the labels are the answer tokens themselves
+        plen = r["prompt_len"]
+        assert torch.equal(r["labels"][plen - 1:-1], r["tokens"][plen:])
+
+
+def test_sample_share_is_honoured(tmp_path):
+    keys = [f"d:{i}" for i in range(2000)]
+    for share in (0.0, 0.2, 1.0):
+        cfg = CaptureConfig(data="d", out_dir=str(tmp_path), sample_share=share)
+        n = sum(_sampled(cfg, k)[0] for k in keys)
+        assert abs(n - share * len(keys)) <= 0.03 * len(keys)
+    cfg = CaptureConfig(data="d", out_dir=str(tmp_path), sample_share=0.5)
+    assert [_sampled(cfg, k) for k in keys[:5]] == [_sampled(cfg, k) for k in keys[:5]]  # fixed per key
+    with pytest.raises(ValueError, match="sample_share"):
+        CaptureConfig(data="d", out_dir=str(tmp_path), sample_share=1.5)
+
+
+def test_reference_answers_and_training_from_shards_in_both_layouts(tiny_lm, tmp_path):
+    model, tok = tiny_lm
+    data = _data(tmp_path)
+    cap = tmp_path / "cap"
+    capture_shards(model, tok, _cfg(data, cap))
+    ref = tmp_path / "ref"
+    capture_shards(model, tok, CaptureConfig(data=f"{data}[:8]", out_dir=str(ref), answers="reference",
+                                             max_length=80, shard_size=4))
+    recs = load_shards(ref)
+    assert len(recs) == 8 and recs[0]["tokens"].numel() > recs[0]["prompt_len"]
+    e3 = tmp_path / "e3"
+    capture_shards(model, tok, CaptureConfig(data=f"{data}[:1]", out_dir=str(e3), answers="reference",
+                                             features="eagle3"))
+    with pytest.raises(ValueError, match="none for EAGLE-1/2"):
+        load_shards(e3, eagle3=False)
+    for arch_eagle3 in (True, False):
+        out = tmp_path / f"run-{arch_eagle3}"
+        cfg = TrainConfig(data="", out_dir=str(out), captured=str(cap), val_captured=str(ref), eagle3=arch_eagle3,
+                          draft_vocab_size=64 if arch_eagle3 else None, epochs=1, batch_size=4, warmup_steps=1,
+                          max_examples=6)
+        head = train_eagle(model, tok, cfg)
+        assert head.config.eagle3 == arch_eagle3 and (out / "head" / "model.safetensors").exists()
+        assert not (out / "captured.pt").exists()  # read from the shards, not captured again
+        assert (out / "validation.txt").read_text().startswith("loss ")

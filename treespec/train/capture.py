@@ -1,0 +1,364 @@
+"""Capture in shards: the target's own answers and features, resumable, for training heads.
+
+    plan = capture_plan(cfg)                     # which conversations, in which order
+    capture_shards(model, tokenizer, cfg)        # writes out_dir/shard-000000-000064.pt, ...
+    records = load_shards(out_dir, eagle3=True)  # what train_eagle(captured=out_dir) reads
+
+**Plan.** ``data`` is a comma-separated list of datasets (packaged names or JSONL paths),
+each optionally sliced, ``gsm8k-train[:7000]``; ``mix`` weighs them (default: their
+sizes). The datasets are interleaved by smooth weighted round-robin, so *every prefix* of
+the plan has the mix's proportions: a head trained on the first 2,500 conversations of a
+capture sees the same blend as one trained on all of it, and a capture stopped early is a
+usable smaller capture.
+
+**Answers.** ``answers="target"`` (self-distillation): the target writes every answer,
+batched through treespec's engine without a draft (a batch on a CPU is compute-bound,
+where a drafted token costs as much as a decoded one); a seeded ``sample_share`` of the
+conversations is sampled at ``sample_temperature`` instead of greedy, so that the head also
+sees the sampled regime. Their labels are the target's own tokens (samples of its
+distribution, so cross-entropy on them matches that distribution in expectation); records
+carry ``sampled`` so that validation can keep to greedy ones. ``answers="reference"``: the
+data's answers, teacher-forced, labelled with the target's greedy token at each position
+(the trainer's regular capture, for the self-distilled vs reference ablation).
+
+**Features.** Of every position: by default both the EAGLE-3 fusion (states entering
+layers low/mid/high) and the EAGLE-1/2 feature (the final post-norm state), side by side,
+so that one capture trains either layout (:func:`load_shards` hands out views, no copy).
+
+**Shards.** Plan entries ``[k*S, (k+1)*S)`` go to ``shard-{start}-{stop}.pt`` (written to
+a temporary name, then renamed: a killed run leaves no partial shard). A re-run skips the
+shards present, so a capture can span sessions; ``capture.json`` holds the configuration
+and a re-run with a different one is refused (``max_examples`` may grow). Batches are
+formed inside a shard, by length, so a resumed capture equals an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..drafters.eagle import eagle3_feature_layers
+from .data import DataStats, Example, read_jsonl, tokenize_example
+from .trainer import Progress, _Hooks, _left_pad, _record, _Recorder
+
+__all__ = ["CaptureConfig", "capture_plan", "capture_shards", "load_shards", "parse_data_spec", "shard_files"]
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "capture.json"
+_SHARD = re.compile(r"^shard-(\d{6})-(\d{6})\.pt$")
+# What must match between runs into one folder (max_examples may grow; out_dir may move).
+_IDENTITY = ("data", "mix", "max_length", "max_new_tokens", "answers", "sample_share", "sample_temperature",
+             "seed", "shard_size", "batch_size", "features")
+
+
+@dataclass
+class CaptureConfig:
+    data: str  # "name[,name...]", each a packaged dataset or a JSONL path, optionally sliced: "gsm8k-train[:7000]"
+    out_dir: str
+    mix: tuple[float, ...] | None = None  # one weight per dataset; None: proportional to their sizes
+    max_examples: int | None = None  # the first N conversations of the plan
+    max_length: int = 512  # prompt + answer tokens; longer prompts are skipped and counted
+    max_new_tokens: int = 256
+    answers: str = "target"  # "target": self-distilled; "reference": the data's answers, teacher-forced
+    sample_share: float = 0.0  # share of target answers sampled instead of greedy
+    sample_temperature: float = 0.8
+    seed: int = 0  # which conversations are sampled, and their sampling seeds
+    shard_size: int = 64  # conversations per shard file
+    batch_size: int = 16  # requests decoded together (formed inside a shard)
+    features: str = "both"  # "eagle3", "eagle1" or "both"
+    model: str | None = None  # recorded in capture.json, not checked
+    dtype: str | None = None  # recorded, not checked
+
+    def __post_init__(self):
+        if self.answers not in ("target", "reference"):
+            raise ValueError(f"answers must be 'target' or 'reference', got {self.answers!r}")
+        if not 0.0 <= self.sample_share <= 1.0:
+            raise ValueError(f"sample_share must be in [0, 1], got {self.sample_share}")
+        if self.sample_share > 0 and not self.sample_temperature > 0:
+            raise ValueError(f"sample_temperature must be > 0, got {self.sample_temperature}")
+        if self.features not in ("eagle3", "eagle1", "both"):
+            raise ValueError(f"features must be eagle3, eagle1 or both, got {self.features!r}")
+        if self.shard_size < 1 or self.batch_size < 1:
+            raise ValueError("shard_size and batch_size must be >= 1")
+        if self.mix is not None:
+            self.mix = tuple(float(w) for w in self.mix)
+            if len(self.mix) != len(parse_data_spec(self.data)) or any(w < 0 for w in self.mix) or not sum(self.mix):
+                raise ValueError(f"mix needs one non-negative weight per dataset in {self.data!r}, got {self.mix}")
+
+
+# ---- plan -----------------------------------------------------------------------------------
+
+
+def parse_data_spec(spec: str) -> list[tuple[str, int | None, int | None]]:
+    """``"a[:100],b[100:],c"`` -> ``[("a", None, 100), ("b", 100, None), ("c", None, None)]``."""
+    out = []
+    for item in (s.strip() for s in spec.split(",")):
+        if not item:
+            raise ValueError(f"empty dataset name in {spec!r}")
+        m = re.fullmatch(r"(.+?)\[(-?\d*):(-?\d*)\]", item)
+        if m:
+            out.append((m.group(1), int(m.group(2)) if m.group(2) else None, int(m.group(3)) if m.group(3) else None))
+        else:
+            out.append((item, None, None))
+    return out
+
+
+def _interleave(sizes: list[int], weights: list[float]) -> list[tuple[int, int]]:
+    """``(dataset, index)`` pairs, smooth weighted round-robin: each prefix follows the
+    weights as closely as whole items allow; an exhausted dataset drops out."""
+    taken = [0] * len(sizes)
+    credit = [0.0] * len(sizes)
+    out = []
+    live = [i for i, (n, w) in enumerate(zip(sizes, weights)) if n > 0 and w > 0]
+    while live:
+        total = sum(weights[i] for i in live)
+        for i in live:
+            credit[i] += weights[i] / total
+        pick = max(live, key=lambda i: (credit[i], -i))
+        credit[pick] -= 1.0
+        out.append((pick, taken[pick]))
+        taken[pick] += 1
+        if taken[pick] == sizes[pick]:
+            live.remove(pick)
+    return out
+
+
+def capture_plan(cfg: CaptureConfig) -> list[tuple[str, Example]]:
+    """The conversations to capture, in order: ``(source key "dataset:index", example)``."""
+    items = parse_data_spec(cfg.data)
+    sets = []
+    for name, start, stop in items:
+        examples = read_jsonl(name)
+        idx = list(range(len(examples)))[start:stop]
+        sets.append([(f"{name}:{i}", examples[i]) for i in idx])
+    weights = list(cfg.mix) if cfg.mix is not None else [float(len(s)) for s in sets]
+    order = _interleave([len(s) for s in sets], weights)
+    plan = [sets[d][i] for d, i in order]
+    return plan[: cfg.max_examples] if cfg.max_examples is not None else plan
+
+
+# ---- shards ---------------------------------------------------------------------------------
+
+
+def _feature_ids(model, features: str) -> tuple[int, ...]:
+    e3 = tuple(eagle3_feature_layers(model.config.num_hidden_layers))
+    return {"eagle3": e3, "eagle1": (-1,), "both": e3 + (-1,)}[features]
+
+
+def _shard_name(start: int, stop: int) -> str:
+    return f"shard-{start:06d}-{stop:06d}.pt"
+
+
+def shard_files(out_dir) -> list[Path]:
+    """The shards of a capture folder that form its longest prefix of the plan, in order
+    (for each start, the longest shard: one written before ``max_examples`` grew is superseded)."""
+    best: dict[int, tuple[int, Path]] = {}
+    for p in Path(out_dir).glob("shard-*.pt"):
+        m = _SHARD.match(p.name)
+        if m:
+            a, b = int(m.group(1)), int(m.group(2))
+            if b > best.get(a, (-1, None))[0]:
+                best[a] = (b, p)
+    out, pos = [], 0
+    while pos in best:
+        stop, path = best[pos]
+        out.append(path)
+        pos = stop
+    missing = sorted(a for a in best if a >= pos)
+    if missing:
+        log.warning("%s: shards from %d on are not contiguous with the first %d conversations; they are not read",
+                    out_dir, missing[0], pos)
+    return out
+
+
+def _check_manifest(out: Path, cfg: CaptureConfig, feature_ids) -> None:
+    mpath = out / MANIFEST
+    mine = {k: getattr(cfg, k) for k in _IDENTITY}
+    mine["mix"] = list(cfg.mix) if cfg.mix is not None else None
+    if mpath.exists():
+        old = json.loads(mpath.read_text())
+        diff = [k for k in _IDENTITY if old.get(k) != mine[k]]
+        if old.get("feature_ids") != list(feature_ids):
+            diff.append("feature_ids (another model?)")
+        if diff:
+            raise ValueError(f"{out} holds a capture made with other settings ({', '.join(diff)}): "
+                             f"resume with the same ones or capture into a new folder")
+    manifest = dict(asdict(cfg), mix=mine["mix"], feature_ids=list(feature_ids))
+    tmp = mpath.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
+    os.replace(tmp, mpath)
+
+
+def _sampled(cfg: CaptureConfig, key: str) -> tuple[bool, int]:
+    """Whether conversation ``key`` is sampled, and its sampling seed: fixed by (seed, key),
+    so independent of shards, batches and resumes."""
+    rng = random.Random(f"{cfg.seed}:{key}")
+    return rng.random() < cfg.sample_share, rng.randrange(2**31)
+
+
+@torch.inference_mode()
+def capture_shards(model, tokenizer, cfg: CaptureConfig,
+                   callback: Callable[[Progress], None] | None = None) -> dict:
+    """Capture the plan into ``cfg.out_dir`` shard by shard, skipping shards already there.
+
+    Returns a summary: ``{"shards", "written", "skipped", "conversations", "generated_tokens",
+    "seconds", "tokens_per_second", "too_long"}`` (tokens and seconds of this run only).
+    """
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fids = _feature_ids(model, cfg.features)
+    _check_manifest(out, cfg, fids)
+    plan = capture_plan(cfg)
+    if not plan:
+        raise ValueError(f"{cfg.data} gives no conversations to capture")
+    S = cfg.shard_size
+    ranges = [(a, min(a + S, len(plan))) for a in range(0, len(plan), S)]
+    done = {p.name for p in out.glob("shard-*.pt")}
+    todo = [r for r in ranges if _shard_name(*r) not in done]
+    summary = {"shards": len(ranges), "written": 0, "skipped": len(ranges) - len(todo), "conversations": 0,
+               "generated_tokens": 0, "seconds": 0.0, "too_long": 0}
+    t0 = time.perf_counter()
+    conv_done = sum(b - a for a, b in ranges if _shard_name(a, b) in done)
+    for a, b in todo:
+        stats = DataStats()
+        records = _capture_range(model, tokenizer, cfg, plan, a, b, fids, stats, summary)
+        path = out / _shard_name(a, b)
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save(records, tmp)
+        os.replace(tmp, path)  # atomic: a shard is whole or absent
+        summary["written"] += 1
+        summary["conversations"] += len(records)
+        summary["too_long"] += stats.skipped_too_long
+        conv_done += b - a
+        elapsed = time.perf_counter() - t0
+        if callback:
+            callback(Progress("capture", conv_done, len(plan), {
+                "tok/s": summary["generated_tokens"] / max(elapsed, 1e-9), "shard": path.name}))
+    summary["seconds"] = time.perf_counter() - t0
+    summary["tokens_per_second"] = summary["generated_tokens"] / max(summary["seconds"], 1e-9)
+    log.info("capture %s: %d shards written, %d already there; %d generated tokens in %.0f s (%.1f tok/s)",
+             out, summary["written"], summary["skipped"], summary["generated_tokens"], summary["seconds"],
+             summary["tokens_per_second"])
+    return summary
+
+
+def _capture_range(model, tokenizer, cfg, plan, a, b, fids, stats, summary) -> list[dict]:
+    """The records of plan entries ``[a, b)``, in plan order."""
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
+    by_index: dict[int, dict] = {}
+    greedy, sampled, forced = [], [], []  # (plan index, token ids, prompt length[, seed])
+    for i in range(a, b):
+        key, ex = plan[i]
+        if ex.text is not None or cfg.answers == "reference":
+            ids, plen = tokenize_example(tokenizer, ex)
+            if ex.text is None and ex.answer is None:
+                raise ValueError(f"{key} has no answer: answers='reference' needs one (use answers='target')")
+            if len(ids) > cfg.max_length:
+                stats.skipped_too_long += 1
+            elif len(ids) >= 3:
+                forced.append((i, ids, plen))
+            continue
+        ids, plen = tokenize_example(tokenizer, ex, answer="")
+        if plen + 2 > cfg.max_length:
+            stats.skipped_too_long += 1
+            continue
+        is_sampled, seed = _sampled(cfg, key)
+        (sampled if is_sampled else greedy).append((i, ids[:plen], plen, seed))
+    for group, temperature in ((greedy, 0.0), (sampled, cfg.sample_temperature)):
+        group.sort(key=lambda x: (len(x[1]), x[0]))  # similar lengths decode together
+        for s in range(0, len(group), cfg.batch_size):
+            batch = group[s: s + cfg.batch_size]
+            recs = _generate(model, [x[1] for x in batch], fids, cfg, eos, temperature, [x[3] for x in batch])
+            for (i, _, _, _), r in zip(batch, recs):
+                summary["generated_tokens"] += r["tokens"].numel() - r["prompt_len"]
+                by_index[i] = dict(r, sampled=temperature > 0)
+    if forced:
+        hooks = _Hooks(model, fids)
+        try:
+            for s in range(0, len(forced), cfg.batch_size):
+                batch = forced[s: s + cfg.batch_size]
+                ids, att = _left_pad([x[1] for x in batch], pad)
+                logits = model(input_ids=ids, attention_mask=att).logits
+                feats = hooks.take()
+                pred = logits.argmax(-1)
+                for j, (i, toks, plen) in enumerate(batch):
+                    off = ids.shape[1] - len(toks)
+                    labels = pred[j, off:].clone()
+                    labels[: max(plen - 1, 0)] = -100
+                    labels[-1] = -100
+                    by_index[i] = dict(_record(toks, feats[j, off: off + len(toks) - 1], labels, plen), sampled=False)
+        finally:
+            hooks.close()
+    return [dict(by_index[i], index=i, source=plan[i][0]) for i in sorted(by_index)]
+
+
+def _generate(model, prompts, fids, cfg: CaptureConfig, eos, temperature: float, seeds) -> list[dict]:
+    """The target's replies to ``prompts`` and the features of every position, one pass."""
+    from ..drafters.none import NoDrafter
+    from ..engine import generate
+
+    rec = _Recorder(NoDrafter(), fids)
+    max_new = max(1, min(cfg.max_new_tokens, cfg.max_length - max(len(p) for p in prompts)))
+    out = generate(model, rec, "chain-1", prompts, max_new_tokens=max_new, eos_token_id=eos,
+                   temperature=temperature, seed=list(seeds) if temperature > 0 else None, attention_backend="torch")
+    records = []
+    for prompt, gen, f in zip(prompts, out.sequences, rec.sessions[-1]):
+        toks = list(prompt) + list(gen)
+        feats = torch.cat(f)[: len(toks) - 1]
+        labels = torch.full((len(toks),), -100, dtype=torch.int64)
+        # labels[i] = the target's token after position i (= toks[i+1]).
+        labels[len(prompt) - 1: len(toks) - 1] = torch.tensor(gen)
+        records.append(_record(toks, feats, labels, len(prompt)))
+    return records
+
+
+# ---- reading ----------------------------------------------------------------------------------
+
+
+def load_shards(out_dir, eagle3: bool = True, limit: int | None = None, greedy_only: bool = False,
+                mmap: bool = True) -> list[dict]:
+    """The records of a capture folder (its contiguous prefix of shards), features narrowed
+    to the layout's (EAGLE-3 fusion or EAGLE-1/2 final state; views of memory-mapped
+    files, so a capture larger than memory trains).
+
+    ``limit``: only conversations of the first ``limit`` plan entries.
+    ``greedy_only``: leave out sampled answers (validation of top-1 agreement).
+    """
+    out = Path(out_dir)
+    mpath = out / MANIFEST
+    if not mpath.exists():
+        raise FileNotFoundError(f"{out} is not a capture folder (no {MANIFEST}): run treespec capture first")
+    fids = json.loads(mpath.read_text())["feature_ids"]
+    want = [i for i in fids if i != -1] if eagle3 else [-1]
+    if not want or any(i not in fids for i in want):
+        raise ValueError(f"{out} has features {fids}: none for {'EAGLE-3' if eagle3 else 'EAGLE-1/2'} "
+                         f"(capture with features='both')")
+    first = fids.index(want[0])
+    if fids[first: first + len(want)] != want:
+        raise ValueError(f"{out}: the {want} features are not adjacent in {fids}")
+    records = []
+    for path in shard_files(out):
+        if limit is not None and int(_SHARD.match(path.name).group(1)) >= limit:
+            break
+        for r in torch.load(path, mmap=mmap, weights_only=True):
+            if limit is not None and r["index"] >= limit:
+                break
+            if greedy_only and r.get("sampled"):
+                continue
+            H = r["features"].shape[1] // len(fids)
+            r["features"] = r["features"][:, first * H: (first + len(want)) * H]  # a view
+            records.append(r)
+    if not records:
+        raise ValueError(f"{out} holds no captured conversations yet")
+    return records
