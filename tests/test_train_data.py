@@ -191,3 +191,32 @@ def test_reference_answers_and_training_from_shards_in_both_layouts(tiny_lm, tmp
         assert head.config.eagle3 == arch_eagle3 and (out / "head" / "model.safetensors").exists()
         assert not (out / "captured.pt").exists()  # read from the shards, not captured again
         assert (out / "validation.txt").read_text().startswith("loss ")
+
+
+# ---- command line -----------------------------------------------------------------------------
+
+
+def test_cli_capture_resumes_and_train_eagle_reads_it(tmp_path, capsys):
+    from treespec import cli
+
+    lm = str(save_tiny_lm(tmp_path / "lm"))
+    data = _data(tmp_path)
+    cap = str(tmp_path / "cap")
+    argv = ["capture", "--model", lm, "--data", f"{data}[:6],{data}[6:]", "--mix", "1,1", "--out", cap,
+            "--max-examples", "5", "--max-new-tokens", "6", "--max-length", "80", "--shard-size", "2",
+            "--batch-size", "2", "--sample-share", "0.3", "--dtype", "float32", "--threads", "1"]
+    assert cli.main(argv) == 0
+    assert "3 shard(s) written, 0 already there, of 3" in capsys.readouterr().out
+    assert cli.main(argv[:argv.index("--max-examples") + 1] + ["7"] + argv[argv.index("--max-examples") + 2:]) == 0
+    # Growing the capture: the two full shards stay, the partial third one is superseded.
+    assert "2 shard(s) written, 2 already there, of 4" in capsys.readouterr().out
+    assert [p.name for p in shard_files(cap)] == ["shard-000000-000002.pt", "shard-000002-000004.pt",
+                                                  "shard-000004-000006.pt", "shard-000006-000007.pt"]
+    out = str(tmp_path / "run")
+    assert cli.main(["train-eagle", "--model", lm, "--captured", cap, "--out", out, "--epochs", "1",
+                     "--batch-size", "4", "--draft-vocab", "64"]) == 0
+    assert (tmp_path / "run" / "head" / "config.json").exists()
+    assert cli.main(["train-eagle", "--model", lm, "--out", out]) == 2
+    assert "give --data" in capsys.readouterr().err
+    assert cli.main(["capture", "--model", lm, "--data", data, "--out", cap, "--mix", "1,2"]) == 2
+    assert "one non-negative weight per dataset" in capsys.readouterr().err

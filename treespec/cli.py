@@ -4,6 +4,7 @@
     treespec bench [--dataset gsm8k] [--draft D ...] [--tree T ...] [--out results.json] ...
     treespec tree show PRESET|TREE.json [--prompt TEXT --model M --draft D] --out tree.png
     treespec train-eagle --data DATA.jsonl --out DIR ...
+    treespec capture --data NAME[,NAME...] --out DIR [--max-examples N] [--sample-share 0.2] ...
     treespec export --to vllm|sglang|eagle [--draft D] [--tree T] [--model M]
     treespec tune [--model M] [--draft D] [--dataset gsm8k] --out PROFILE.json [--plot-dir DIR]
 
@@ -718,8 +719,12 @@ def _tree_show(args):
 def _add_train(sub):
     p = sub.add_parser("train-eagle", help="train an EAGLE draft head for a target model")
     p.add_argument("--model", default="smollm2-135m-instruct", help="target: a treespec name, HF id or path")
-    p.add_argument("--data", required=True, help="JSONL with question/answer, prompt/completion, messages or text, "
-                   "or a packaged dataset: gsm8k-train (GSM8K train, shipped with treespec)")
+    p.add_argument("--data", default=None, help="JSONL with question/answer, prompt/completion, messages or text, "
+                   "or a packaged dataset: gsm8k-train (GSM8K train, shipped with treespec); not with --captured")
+    p.add_argument("--captured", default=None, metavar="DIR",
+                   help="train on a treespec capture folder (its first --max-examples conversations) instead of --data")
+    p.add_argument("--val-captured", default=None, metavar="DIR",
+                   help="validate on this capture folder (greedy answers) instead of a share of the training data")
     p.add_argument("--out", required=True, help="output directory (resumes if it holds a run)")
     p.add_argument("--arch", choices=["eagle3", "eagle1"], default="eagle3")
     p.add_argument("--draft-vocab", type=int, default=4096, help="EAGLE-3 draft vocabulary (0: full)")
@@ -741,8 +746,11 @@ def _train(args):
 
     from .train import TrainConfig, train_eagle
 
+    if (args.data is None) == (args.captured is None):
+        raise UserError("give --data (capture, then train) or --captured DIR (train on a treespec capture)")
     cfg = TrainConfig(
-        data=args.data, out_dir=args.out, eagle3=args.arch == "eagle3",
+        data=args.data or "", out_dir=args.out, eagle3=args.arch == "eagle3", captured=args.captured,
+        val_captured=args.val_captured,
         draft_vocab_size=args.draft_vocab or None, max_examples=args.max_examples,
         max_length=args.max_length, regenerate=args.regenerate != 0,
         regenerate_count=None if args.regenerate < 0 else args.regenerate,
@@ -766,6 +774,74 @@ def _train(args):
     for bar in bars.values():
         bar.close()
     print(f"saved the head to {args.out}/head")
+
+
+# ---- capture ----------------------------------------------------------------------------
+
+
+def _add_capture(sub):
+    p = sub.add_parser(
+        "capture", help="capture the target's own answers and features in resumable shards, for train-eagle",
+        description="Self-distillation at scale: the target answers every prompt (batched through treespec's "
+                    "engine, greedy or a sampled share), and its features are kept, in shards of --shard-size "
+                    "conversations. Run the same command again to resume; train with train-eagle --captured DIR. "
+                    "See docs/training.md.",
+    )
+    p.add_argument("--model", default=DEFAULT_MODEL, help="target: a treespec name, HF id or path")
+    p.add_argument("--data", required=True, help="comma-separated datasets (packaged names or JSONL files), each "
+                   "optionally sliced: 'gsm8k-train[:7000],stdlib-code,chat-train'")
+    p.add_argument("--mix", default=None, help="comma-separated weights, one per dataset (default: their sizes); "
+                   "every prefix of the capture keeps these proportions")
+    p.add_argument("--out", required=True, help="capture folder (resumes if it holds shards)")
+    p.add_argument("--max-examples", type=int, default=None, help="capture the first N conversations of the mix")
+    p.add_argument("--answers", choices=["target", "reference"], default="target",
+                   help="target: the target writes every answer (self-distillation); reference: the data's answers")
+    p.add_argument("--sample-share", type=float, default=0.0, help="share of answers sampled instead of greedy")
+    p.add_argument("--sample-temperature", type=float, default=0.8)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-length", type=int, default=512, help="prompt + answer tokens")
+    p.add_argument("--batch-size", type=int, default=16, help="requests decoded together")
+    p.add_argument("--shard-size", type=int, default=64, help="conversations per shard file")
+    p.add_argument("--features", choices=["both", "eagle3", "eagle1"], default="both",
+                   help="features kept: both layouts (default, trains either) or one")
+    p.add_argument("--seed", type=int, default=0)
+    _add_runtime(p)
+    p.set_defaults(func=_capture)
+
+
+def _capture(args):
+    _check_early(args)
+    from tqdm import tqdm
+
+    from .train.capture import CaptureConfig, capture_shards
+
+    try:
+        mix = tuple(float(w) for w in args.mix.split(",")) if args.mix else None
+        cfg = CaptureConfig(
+            data=args.data, out_dir=args.out, mix=mix, max_examples=args.max_examples, max_length=args.max_length,
+            max_new_tokens=args.max_new_tokens, answers=args.answers, sample_share=args.sample_share,
+            sample_temperature=args.sample_temperature, seed=args.seed, shard_size=args.shard_size,
+            batch_size=args.batch_size, features=args.features, model=args.model, dtype=args.dtype)
+    except ValueError as e:
+        raise UserError(f"capture: {e}") from None
+    _setup_threads(args)
+    model, tok = _load_target(args)
+    fast = _fast_path(args, model)
+    bar = tqdm(desc="capture", unit="conv", dynamic_ncols=True, disable=None)
+
+    def progress(p):
+        bar.total = p.total
+        bar.n = p.done
+        bar.set_postfix(gen_tok_s=f"{p.info['tok/s']:.1f}", refresh=False)
+        bar.refresh()
+
+    with fast if fast is not None else contextlib.nullcontext():
+        s = capture_shards(model, tok, cfg, callback=progress)
+    bar.close()
+    print(f"{args.out}: {s['written']} shard(s) written, {s['skipped']} already there, of {s['shards']}; "
+          f"{s['conversations']} conversations, {s['generated_tokens']} generated tokens in {s['seconds']:.0f} s "
+          f"({s['tokens_per_second']:.1f} tok/s)" + (f"; {s['too_long']} too long, skipped" if s["too_long"] else ""))
+    return 0
 
 
 # ---- export -----------------------------------------------------------------------------
@@ -909,6 +985,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_tree(sub)
     _add_train(sub)
+    _add_capture(sub)
     _add_export(sub)
     _add_tune(sub)
     return parser
