@@ -160,13 +160,14 @@ def test_sampling_params_match_hf_generate():
 def test_distribution_matches_model(drafter, tree):
     """N seeded requests, 3 new tokens each: the first verify step has a depth-1 tree, so
     token 2 is an accepted draft or a correction and token 3 often the bonus after it.
-    ``auto`` verifies a part of the same tree chosen per request from its scores (a token
-    costs a quarter step here): choosing fewer nodes must not change the distribution."""
+    ``auto`` verifies a part of the same tree chosen per request from its scores (the batch
+    chooses jointly; here a token costs a thousandth of a step, so with 400 roots a node pays
+    when p > ~0.3): choosing fewer nodes must not change the distribution."""
     model = soft_model(1, vocab=E2E_V, peak=6.0)
     draft = ModelDrafter(twin(1, vocab=E2E_V, peak=6.0)) if drafter == "twin" else NgramDrafter()
     N = 400
     cfg = TreeConfig.auto(3, 3, 6) if tree == "auto" else TreeConfig.dynamic(3, 3, 6)
-    profile = AutoProfile(costs=CostCurve((1, 2, 64), (1.0, 1.25, 16.75)))
+    profile = AutoProfile(costs=CostCurve((1, 4096), (1.0, 1.0 + 0.001 * 4095)))
     out = treespec.generate(model, draft, cfg, [E2E_PROMPT] * N, max_new_tokens=3,
                             seed=10_000, auto_profile=profile, **E2E_PARAMS)
     m = out.metrics
