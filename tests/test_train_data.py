@@ -220,3 +220,36 @@ def test_cli_capture_resumes_and_train_eagle_reads_it(tmp_path, capsys):
     assert "give --data" in capsys.readouterr().err
     assert cli.main(["capture", "--model", lm, "--data", data, "--out", cap, "--mix", "1,2"]) == 2
     assert "one non-negative weight per dataset" in capsys.readouterr().err
+
+
+# ---- ablation runner --------------------------------------------------------------------------
+
+
+def test_ablation_runner_on_a_tiny_capture(tmp_path, capsys):
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks"))
+    import ablate_head
+
+    lm = save_tiny_lm(tmp_path / "lm")
+    model, tok = models.load(lm)
+    data = _data(tmp_path)
+    for name, kw in (("cap", {"data": f"{data}[:8]"}), ("ref", {"data": f"{data}[:8]", "answers": "reference"}),
+                     ("val", {"data": f"{data}[7:9]"})):
+        capture_shards(model, tok, CaptureConfig(out_dir=str(tmp_path / name), max_new_tokens=8, max_length=80,
+                                                 shard_size=4, **kw))
+    prompts = tmp_path / "eval.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ("Once upon a time", "Tom and Lily")) + "\n")
+    argv = ["--model", str(lm), "--capture", str(tmp_path / "cap"), "--reference-capture", str(tmp_path / "ref"),
+            "--val-capture", str(tmp_path / "val"), "--out", str(tmp_path / "abl"), "--sizes", "3,5",
+            "--gsm8k-examples", "4", "--answers-source", data, "--vocabs", "64,128,256", "--epochs", "1", "--batch-size", "4",
+            "--eval", f"{prompts}:2", "--trees", "chain-3,cpu-tiny", "--max-new-tokens", "8", "--dtype", "float32"]
+    assert ablate_head.main(argv + ["--only", "base,data-3,ttt-1,eagle1,gsm8k-target,gsm8k-reference,vocab-128"]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "abl" / "results.jsonl").read_text().splitlines()]
+    assert [r["name"] for r in rows] == ["base", "data-3", "vocab-128", "ttt-1", "eagle1", "gsm8k-target",
+                                         "gsm8k-reference"]
+    assert all(set(r["tau"]) == {"eval@chain-3", "eval@cpu-tiny"} and r["tau"]["eval@chain-3"] >= 1.0 for r in rows)
+    assert len(rows[3]["top1_by_step"]) == 1 and len(rows[0]["top1_by_step"]) == 3
+    assert rows[-1]["captured"].endswith("ref")
+    md = (tmp_path / "abl" / "results.md").read_text()
+    assert md.count("\n| ") == 7 and "tau eval@chain-3" in md
+    assert ablate_head.main(argv + ["--only", "base"]) == 0  # a row already there is skipped
+    assert len((tmp_path / "abl" / "results.jsonl").read_text().splitlines()) == 7

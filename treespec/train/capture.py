@@ -327,13 +327,14 @@ def _generate(model, prompts, fids, cfg: CaptureConfig, eos, temperature: float,
 
 
 def load_shards(out_dir, eagle3: bool = True, limit: int | None = None, greedy_only: bool = False,
-                mmap: bool = True) -> list[dict]:
+                mmap: bool = True, source: str | None = None) -> list[dict]:
     """The records of a capture folder (its contiguous prefix of shards), features narrowed
     to the layout's (EAGLE-3 fusion or EAGLE-1/2 final state; views of memory-mapped
     files, so a capture larger than memory trains).
 
-    ``limit``: only conversations of the first ``limit`` plan entries.
+    ``limit``: the first ``limit`` conversations (in plan order) that pass the filters.
     ``greedy_only``: leave out sampled answers (validation of top-1 agreement).
+    ``source``: only conversations from this dataset of the mix (its name in ``data``).
     """
     out = Path(out_dir)
     mpath = out / MANIFEST
@@ -349,13 +350,13 @@ def load_shards(out_dir, eagle3: bool = True, limit: int | None = None, greedy_o
         raise ValueError(f"{out}: the {want} features are not adjacent in {fids}")
     records = []
     for path in shard_files(out):
-        if limit is not None and int(_SHARD.match(path.name).group(1)) >= limit:
+        if limit is not None and len(records) >= limit:
             break
         for r in torch.load(path, mmap=mmap, weights_only=True):
-            if limit is not None and r["index"] >= limit:
-                break
-            if greedy_only and r.get("sampled"):
+            if (greedy_only and r.get("sampled")) or (source is not None and r["source"].rsplit(":", 1)[0] != source):
                 continue
+            if limit is not None and len(records) >= limit:
+                break
             H = r["features"].shape[1] // len(fids)
             r["features"] = r["features"][:, first * H: (first + len(want)) * H]  # a view
             records.append(r)

@@ -73,6 +73,7 @@ class TrainConfig:
     threads: int | None = None
     captured: str | None = None  # a treespec capture folder (treespec.train.capture): train on its
     # shards (the first max_examples conversations) instead of capturing from data
+    captured_source: str | None = None  # with captured: only this dataset of its mix
     val_captured: str | None = None  # a capture folder held out for validation (all its greedy
     # conversations, up to val_examples), so that runs on different data compare on one set
 
@@ -402,7 +403,7 @@ def train_eagle(model, tokenizer, cfg: TrainConfig, callback: Callable[[Progress
     if cfg.captured:
         from .capture import load_shards
 
-        records = load_shards(cfg.captured, eagle3=cfg.eagle3, limit=cfg.max_examples)
+        records = load_shards(cfg.captured, eagle3=cfg.eagle3, limit=cfg.max_examples, source=cfg.captured_source)
         log.info("training on %d conversations captured in %s", len(records), cfg.captured)
     elif cap_path.exists():
         records = torch.load(cap_path, weights_only=False)

@@ -1,0 +1,199 @@
+"""Ablations of the EAGLE head (issue 10): one capture, one factor varied per row.
+
+Trains a head per row from the shards of one capture (``treespec capture``), validates each
+on one held-out capture (top-1 agreement with the target's greedy token, by training-time
+test step), and measures tau (tokens per target forward, greedy, batch 1, exactly as
+``treespec bench`` pools it) on the evaluation prompts with each tree. Appends one JSON
+line per row to ``OUT/results.jsonl`` (a row already there is skipped: rerun to resume)
+and rewrites ``OUT/results.md`` from it.
+
+    python benchmarks/ablate_head.py --capture runs/cap-all --reference-capture runs/cap-ref \\
+        --val-capture runs/cap-val --out runs/ablate            # every row
+    python benchmarks/ablate_head.py ... --only base,vocab-8192  # some rows
+
+Rows (the base: every captured conversation, target-written answers, draft vocabulary
+4096, 3 training-time-test steps, EAGLE-3; every other row changes one thing):
+
+    base             all conversations of --capture
+    data-2.5k/7.5k   the first 2,500 / 7,500 conversations (every prefix keeps the capture's mix)
+    vocab-8192/16384 draft vocabulary (--vocabs: the base's, then these two)
+    ttt-1/ttt-5      training-time-test steps
+    eagle1           the EAGLE-1/2 layout (final-state feature, full vocabulary), same capture
+    gsm8k-target     the first 2,500 GSM8K-train conversations of --capture (target-written answers)
+    gsm8k-reference  the same 2,500 questions from --reference-capture (GSM8K's reference answers)
+
+tau is a count, not a timing: it does not depend on the machine's load (greedy decoding of
+the same prompts gives the same tokens), so this can run beside other work; wall times
+(training) can not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("ablate_head")
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    what: str
+    train: dict = field(default_factory=dict)  # TrainConfig fields beyond the base
+    reference: bool = False  # train on --reference-capture instead of --capture
+
+
+def rows(sizes=(2500, 7500), vocabs=(4096, 8192, 16384), gsm8k_n: int = 2500,
+         source: str = "gsm8k-train") -> list[Row]:
+    small, mid = sizes
+    base_vocab, v2, v3 = vocabs
+    table = [
+        Row("base", f"all, target answers, vocab {base_vocab}, TTT 3, EAGLE-3"),
+        Row(f"data-{_k(small)}", f"first {small} conversations", {"max_examples": small}),
+        Row(f"data-{_k(mid)}", f"first {mid} conversations", {"max_examples": mid}),
+        Row(f"vocab-{v2}", f"draft vocabulary {v2}", {"draft_vocab_size": v2}),
+        Row(f"vocab-{v3}", f"draft vocabulary {v3}", {"draft_vocab_size": v3}),
+        Row("ttt-1", "1 training-time-test step", {"ttt_steps": 1}),
+        Row("ttt-5", "5 training-time-test steps", {"ttt_steps": 5}),
+        Row("eagle1", "EAGLE-1/2 layout (final state, full vocabulary)", {"eagle3": False, "draft_vocab_size": None}),
+        Row("gsm8k-target", f"{source}, first {gsm8k_n}, target-written answers",
+            {"max_examples": gsm8k_n, "captured_source": source}),
+        Row("gsm8k-reference", f"{source}, first {gsm8k_n}, reference answers",
+            {"max_examples": gsm8k_n, "captured_source": source}, reference=True),
+    ]
+    return [Row(r.name, r.what, {"draft_vocab_size": base_vocab, **r.train}, r.reference) for r in table]
+
+
+def _k(n: int) -> str:
+    return f"{n / 1000:g}k" if n >= 1000 else str(n)
+
+
+def tau(model, drafter, tree: str, prompts, max_new_tokens: int) -> float:
+    """Tokens per verify forward over all prompts, pooled as treespec bench pools them."""
+    import treespec
+
+    acc = []
+    for ids in prompts:
+        out = treespec.generate(model, drafter, tree, ids, max_new_tokens=max_new_tokens)
+        acc.extend(out.metrics.requests[0].accepted)
+    return (sum(acc) + len(acc)) / max(len(acc), 1)
+
+
+def run_row(row: Row, args, model_train, tok, model_eval, prompt_sets) -> dict:
+    from treespec.drafters import load_draft
+    from treespec.train import TrainConfig, train_eagle
+
+    out = Path(args.out) / row.name
+    captured = args.reference_capture if row.reference else args.capture
+    if captured is None:
+        raise SystemExit(f"row {row.name} needs --reference-capture")
+    cfg = TrainConfig(data="", out_dir=str(out), captured=captured, val_captured=args.val_capture,
+                      epochs=args.epochs, seed=args.seed, val_examples=args.val_examples,
+                      **{"batch_size": args.batch_size, **row.train})
+    t0 = time.perf_counter()
+    train_eagle(model_train, tok, cfg)
+    train_s = time.perf_counter() - t0
+    val = dict(line.split(" ", 1) for line in (out / "validation.txt").read_text().splitlines())
+    result = {
+        "name": row.name, "what": row.what, "captured": captured, "train": {k: v for k, v in row.train.items()},
+        "epochs": args.epochs, "train_seconds": round(train_s, 1),
+        "val_loss": float(val["loss"]), "top1_by_step": [float(x) for x in val["top1_by_step"].split()],
+        "tau": {},
+    }
+    drafter = load_draft(out / "head", model_eval)
+    for name, prompts in prompt_sets.items():
+        for tree in args.trees:
+            result["tau"][f"{name}@{tree}"] = round(tau(model_eval, drafter, tree, prompts, args.max_new_tokens), 3)
+    return result
+
+
+def write_markdown(results: list[dict], path: Path) -> None:
+    cols = sorted({k for r in results for k in r["tau"]})
+    head = "| row | what | held-out top-1 by step | val loss | " + " | ".join(f"tau {c}" for c in cols) + " | train s |"
+    lines = [head, "|" + "---|" * (5 + len(cols))]
+    for r in results:
+        top1 = " / ".join(f"{a:.3f}" for a in r["top1_by_step"])
+        taus = " | ".join(f"{r['tau'][c]:.2f}" if c in r["tau"] else "" for c in cols)
+        lines.append(f"| {r['name']} | {r['what']} | {top1} | {r['val_loss']:.3f} | {taus} | {r['train_seconds']:.0f} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--capture", required=True, help="the capture folder every row but gsm8k-reference trains on")
+    ap.add_argument("--reference-capture", default=None, help="capture of GSM8K train with --answers reference")
+    ap.add_argument("--val-capture", required=True, help="held-out capture (target answers) for top-1 by step")
+    ap.add_argument("--out", required=True, help="one folder per row, results.jsonl and results.md")
+    ap.add_argument("--only", default=None, help="comma-separated row names (default: all)")
+    ap.add_argument("--sizes", default="2500,7500", help="the two smaller data sizes")
+    ap.add_argument("--vocabs", default="4096,8192,16384", help="the base draft vocabulary, then the two others")
+    ap.add_argument("--gsm8k-examples", type=int, default=2500, help="conversations of the answers ablation")
+    ap.add_argument("--answers-source", default="gsm8k-train",
+                    help="the dataset (as named in both captures' --data) of the answers ablation")
+    ap.add_argument("--epochs", type=float, default=2.0)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--val-examples", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval", default="gsm8k:50,humaneval:20,chat:48",
+                    help="DATASET:N,... prompts for tau (treespec bench datasets or .jsonl files)")
+    ap.add_argument("--trees", default="chain-3,cpu")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="target dtype for tau")
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args(argv)
+    args.trees = args.trees.split(",")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+
+    from treespec import models
+    from treespec.bench import load_prompts
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sizes = tuple(int(x) for x in args.sizes.split(","))
+    vocabs = tuple(int(x) for x in args.vocabs.split(","))
+    table = rows(sizes, vocabs, args.gsm8k_examples, args.answers_source)
+    if args.only:
+        wanted = args.only.split(",")
+        unknown = set(wanted) - {r.name for r in table}
+        if unknown:
+            raise SystemExit(f"unknown rows {sorted(unknown)}; rows: {', '.join(r.name for r in table)}")
+        table = [r for r in table if r.name in wanted]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    res_path = out / "results.jsonl"
+    results = [json.loads(x) for x in res_path.read_text().splitlines()] if res_path.exists() else []
+    done = {r["name"] for r in results}
+
+    model_train, tok = models.load(args.model)  # fp32: the head starts from its output rows
+    model_eval, _ = models.load(args.model, dtype=getattr(torch, args.dtype))
+    prompt_sets = {}
+    for item in args.eval.split(","):
+        name, _, n = item.rpartition(":")
+        prompt_sets[Path(name).stem if name.endswith(".jsonl") else name] = load_prompts(name, tok, int(n))[0]
+    for row in table:
+        if row.name in done:
+            log.info("%s: already in %s, skipped", row.name, res_path)
+            continue
+        log.info("%s: %s", row.name, row.what)
+        r = run_row(row, args, model_train, tok, model_eval, prompt_sets)
+        r["command"] = "python benchmarks/ablate_head.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        with res_path.open("a") as f:
+            f.write(json.dumps(r) + "\n")
+        results.append(r)
+        write_markdown(results, out / "results.md")
+        log.info("%s: top-1 %s, tau %s", row.name, r["top1_by_step"], r["tau"])
+    write_markdown(results, out / "results.md")
+    print(f"wrote {out / 'results.md'} ({len(results)} rows)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
