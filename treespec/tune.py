@@ -69,6 +69,7 @@ def save_tune_plots(profile: AutoProfile, tree_sizes: Sequence[int], out_dir, pr
                     title: str = "") -> list[Path]:
     """Three PNGs: ``{prefix}cost_curve.png``, ``{prefix}calibration.png`` and
     ``{prefix}tree_sizes.png``. Returns the paths written."""
+    import numpy as np
     from matplotlib.figure import Figure
 
     out_dir = Path(out_dir)
@@ -103,11 +104,12 @@ def save_tune_plots(profile: AutoProfile, tree_sizes: Sequence[int], out_dir, pr
     counts = ax.twinx()
     centres = profile.greedy.centres
     ax.plot(centres, profile.greedy.prior, color="#999999", ls="--", label="prior exp(score)")
-    width = 0.35 * min(abs(b - a) for a, b in zip(centres, centres[1:]))
-    for i, (name, cal) in enumerate((("greedy", profile.greedy), ("sampling", profile.sampling))):
+    upper = np.array(profile.greedy.edges)
+    lower = 2 * centres - upper  # each bar spans its bin
+    for name, cal in (("greedy", profile.greedy), ("sampling", profile.sampling)):
         if cal.num_observed:
-            ax.plot(centres, cal.fitted(), marker="o", label=f"{name}: fitted ({cal.num_observed} nodes)")
-            counts.bar(centres + (i - 0.5) * width, cal.seen, width=width, alpha=0.25, label=f"{name} nodes")
+            line, = ax.plot(centres, cal.fitted(), marker="o", label=f"{name}: fitted ({cal.num_observed} nodes)")
+            counts.bar(lower, cal.seen, width=upper - lower, align="edge", alpha=0.2, color=line.get_color())
     ax.set_xlabel("draft score (cumulative log-probability)")
     ax.set_ylabel("P(accepted)")
     ax.set_ylim(0, 1.02)
