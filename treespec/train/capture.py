@@ -74,7 +74,7 @@ class CaptureConfig:
     sample_temperature: float = 0.8
     seed: int = 0  # which conversations are sampled, and their sampling seeds
     shard_size: int = 64  # conversations per shard file
-    batch_size: int = 16  # requests decoded together (formed inside a shard)
+    batch_size: int = 32  # requests decoded together (formed inside a shard); 32-48 measured best on 2 cores
     features: str = "both"  # "eagle3", "eagle1" or "both"
     model: str | None = None  # recorded in capture.json, not checked
     dtype: str | None = None  # recorded, not checked
