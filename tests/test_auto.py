@@ -349,12 +349,20 @@ def test_auto_config_value():
         TreeConfig.auto(max_depth=2, top_k=2, max_nodes=7)
 
 
-def test_ngram_scores_are_log_shares():
-    tree = trie_tree(9, [[1, 2, 3], [1, 2, 4], [1, 5], [6]], num_nodes=10)
+def test_ngram_scores_are_log_shares_decayed_by_depth():
+    runs = [[1, 2, 3], [1, 2, 4], [1, 5], [6]]
+    tree = trie_tree(9, runs, num_nodes=10)
     share = dict(zip(tree.tokens.tolist()[1:], np.exp(tree.scores.numpy()[1:]).tolist()))
     assert share == pytest.approx({1: 0.75, 2: 0.5, 3: 0.25, 4: 0.25, 5: 0.25, 6: 0.25})
     assert float(tree.scores[0]) == 0.0
-    assert torch.all(tree.scores[1:] <= tree.scores[tree.parents[1:]])
+    decayed = trie_tree(9, runs, num_nodes=10, depth_decay=0.5)
+    got = dict(zip(decayed.tokens.tolist()[1:], np.exp(decayed.scores.numpy()[1:]).tolist()))
+    assert got == pytest.approx({1: 0.375, 2: 0.125, 3: 0.03125, 4: 0.03125, 5: 0.0625, 6: 0.125})
+    assert torch.all(decayed.scores[1:] < decayed.scores[decayed.parents[1:]])  # strictly: depth tells
+    lone = trie_tree(9, [[7, 8, 9]], num_nodes=3, depth_decay=NgramDrafter().depth_decay)
+    assert len(set(Calibration().bin_of(lone.scores.numpy()[1:]).tolist())) == 3  # each depth its own bin
+    with pytest.raises(ValueError, match="depth_decay"):
+        NgramDrafter(depth_decay=0.0)
 
 
 # ---- through the engine ------------------------------------------------------------------

@@ -6,9 +6,11 @@ followed it; with several occurrences the continuations branch where they differ
 share their common prefixes, forming a trie under the root. Nodes are ranked by how many
 continuations pass through them (then by recency), and the best ``num_nodes`` are kept:
 a node never has more support than its parent, so the kept set is ancestor-closed.
-A node's score is the log of the share of continuations through it, so a child never scores
-above its parent; ``auto`` trees calibrate it into an acceptance probability like a draft's
-log-probability.
+A node's score is the log of the share of continuations through it, plus
+``log(depth_decay)`` per level, so a child always scores below its parent; ``auto`` trees
+calibrate it into an acceptance probability like a draft's log-probability. The decay makes
+depths distinguishable: without it every node of a lone match would score 0, and the
+calibration could not learn that its first token holds more often than its sixth.
 
 As in vLLM's ngram proposer and transformers' ``prompt_lookup_num_tokens``, the longest
 n-gram (``max_ngram`` down to ``min_ngram``) that occurs at all wins. No model, no
@@ -34,14 +36,18 @@ class NgramDrafter(Drafter):
         max_ngram, min_ngram: n-gram lengths tried, longest first.
         max_matches: most recent occurrences used as branches.
         depth, num_nodes: per-step tree limits; None takes them from the tree config.
+        depth_decay: per-level factor in a node's score (see the module docstring).
     """
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_matches: int = 8,
-                 depth: int | None = None, num_nodes: int | None = None):
+                 depth: int | None = None, num_nodes: int | None = None, depth_decay: float = 0.9):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         if max_matches < 1:
             raise ValueError(f"max_matches must be >= 1, got {max_matches}")
+        if not 0 < depth_decay <= 1:
+            raise ValueError(f"depth_decay must be in (0, 1], got {depth_decay}")
+        self.depth_decay = depth_decay
         self.max_ngram, self.min_ngram, self.max_matches = max_ngram, min_ngram, max_matches
         self.depth, self.num_nodes = depth, num_nodes
 
@@ -74,11 +80,12 @@ def continuations(context: np.ndarray, max_ngram: int, min_ngram: int, max_match
     return []
 
 
-def trie_tree(root: int, runs: Sequence[Sequence[int]], num_nodes: int) -> Tree:
+def trie_tree(root: int, runs: Sequence[Sequence[int]], num_nodes: int, depth_decay: float = 1.0) -> Tree:
     """The trie of ``runs`` under ``root``, cut to the ``num_nodes`` best-supported nodes;
-    scores: log of the share of runs through each node (root 0)."""
+    scores: log of the share of runs through each node plus ``log(depth_decay)`` per level
+    (root 0)."""
     children: list[dict[int, int]] = [{}]
-    parent, token, support, first_seen = [-1], [root], [0], [0]
+    parent, token, support, first_seen, depth = [-1], [root], [0], [0], [0]
     for r, run in enumerate(runs):
         node = 0
         for tok in run:
@@ -89,6 +96,7 @@ def trie_tree(root: int, runs: Sequence[Sequence[int]], num_nodes: int) -> Tree:
                 children.append({})
                 parent.append(node)
                 token.append(tok)
+                depth.append(depth[node] + 1)
                 support.append(0)
                 first_seen.append(r)
             support[nxt] += 1
@@ -98,7 +106,8 @@ def trie_tree(root: int, runs: Sequence[Sequence[int]], num_nodes: int) -> Tree:
     order = sorted(range(1, len(parent)), key=lambda i: (-support[i], first_seen[i], i))[:num_nodes]
     kept = sorted(order)  # creation order: parents first
     index = {0: 0, **{old: new for new, old in enumerate(kept, start=1)}}
-    share = [0.0] + [math.log(support[i] / len(runs)) for i in kept]
+    decay = math.log(depth_decay)
+    share = [0.0] + [math.log(support[i] / len(runs)) + decay * depth[i] for i in kept]
     return Tree([-1] + [index[parent[i]] for i in kept], [root] + [token[i] for i in kept], share)
 
 
@@ -118,7 +127,7 @@ class NgramSession(DraftSession):
             if depth > 0:
                 runs = continuations(np.asarray(ctx), self.d.max_ngram, self.d.min_ngram,
                                      self.d.max_matches, depth)
-            trees.append(trie_tree(root, runs, self.num_nodes))
+            trees.append(trie_tree(root, runs, self.num_nodes, self.d.depth_decay))
         return trees
 
     def commit(self, requests, tokens, features):
