@@ -229,6 +229,8 @@ def capture_shards(model, tokenizer, cfg: CaptureConfig,
                "generated_tokens": 0, "seconds": 0.0, "too_long": 0}
     t0 = time.perf_counter()
     conv_done = sum(b - a for a, b in ranges if _shard_name(a, b) in done)
+    if callback:
+        callback(Progress("capture", conv_done, len(plan), {"tok/s": 0.0, "shard": None}))
     for a, b in todo:
         stats = DataStats()
         records = _capture_range(model, tokenizer, cfg, plan, a, b, fids, stats, summary)
