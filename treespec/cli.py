@@ -821,7 +821,8 @@ def _capture(args):
             data=args.data, out_dir=args.out, mix=mix, max_examples=args.max_examples, max_length=args.max_length,
             max_new_tokens=args.max_new_tokens, answers=args.answers, sample_share=args.sample_share,
             sample_temperature=args.sample_temperature, seed=args.seed, shard_size=args.shard_size,
-            batch_size=args.batch_size, features=args.features, model=args.model, dtype=args.dtype)
+            batch_size=args.batch_size, features=args.features, model=args.model, dtype=args.dtype,
+            attention_backend=args.backend)
     except ValueError as e:
         raise UserError(f"capture: {e}") from None
     _setup_threads(args)

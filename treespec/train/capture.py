@@ -58,7 +58,7 @@ MANIFEST = "capture.json"
 _SHARD = re.compile(r"^shard-(\d{6})-(\d{6})\.pt$")
 # What must match between runs into one folder (max_examples may grow; out_dir may move).
 _IDENTITY = ("data", "mix", "max_length", "max_new_tokens", "answers", "sample_share", "sample_temperature",
-             "seed", "shard_size", "batch_size", "features")
+             "seed", "shard_size", "batch_size", "features", "model", "dtype")
 
 
 @dataclass
@@ -76,8 +76,9 @@ class CaptureConfig:
     shard_size: int = 64  # conversations per shard file
     batch_size: int = 32  # requests decoded together (formed inside a shard); 32-48 measured best on 2 cores
     features: str = "both"  # "eagle3", "eagle1" or "both"
-    model: str | None = None  # recorded in capture.json, not checked
-    dtype: str | None = None  # recorded, not checked
+    model: str | None = None  # the target's name, recorded and checked on resume
+    dtype: str | None = None  # as asked ("auto", "bfloat16", ...), recorded and checked on resume
+    attention_backend: str = "auto"  # the engine's (FlashInfer on CUDA when installed, else PyTorch)
 
     def __post_init__(self):
         if self.answers not in ("target", "reference"):
@@ -291,7 +292,8 @@ def _capture_range(model, tokenizer, cfg, plan, a, b, fids, stats, summary) -> l
             for s in range(0, len(forced), cfg.batch_size):
                 batch = forced[s: s + cfg.batch_size]
                 ids, att = _left_pad([x[1] for x in batch], pad)
-                logits = model(input_ids=ids, attention_mask=att).logits
+                dev = next(model.parameters()).device
+                logits = model(input_ids=ids.to(dev), attention_mask=att.to(dev)).logits
                 feats = hooks.take()
                 pred = logits.argmax(-1)
                 for j, (i, toks, plen) in enumerate(batch):
@@ -313,7 +315,8 @@ def _generate(model, prompts, fids, cfg: CaptureConfig, eos, temperature: float,
     rec = _Recorder(NoDrafter(), fids)
     max_new = max(1, min(cfg.max_new_tokens, cfg.max_length - max(len(p) for p in prompts)))
     out = generate(model, rec, "chain-1", prompts, max_new_tokens=max_new, eos_token_id=eos,
-                   temperature=temperature, seed=list(seeds) if temperature > 0 else None, attention_backend="torch")
+                   temperature=temperature, seed=list(seeds) if temperature > 0 else None,
+                   attention_backend=cfg.attention_backend)
     records = []
     for prompt, gen, f in zip(prompts, out.sequences, rec.sessions[-1]):
         toks = list(prompt) + list(gen)
