@@ -469,6 +469,7 @@ def test_tune_writes_a_profile_and_pictures_and_bench_reads_it(capsys, monkeypat
 def test_tune_refuses_a_fixed_tree(capsys, lm_dir, tmp_path):
     from treespec import cli
 
+    assert cli.main(["tune", "--help"]) == 0 and "--refresh-costs" in capsys.readouterr().out
     rc = cli.main(["tune", "--model", lm_dir, "--tree", "cpu", "--out", str(tmp_path / "x.json")])
     _, err = capsys.readouterr()
     assert rc == 2 and "not an auto tree" in err
