@@ -11,6 +11,9 @@ tree tokens after a prompt, through treespec's runner, split into
 
     python benchmarks/profile_verify.py [--dtype bfloat16] [--q 16] [--pack both]
 
+With ``--pack no`` the script also runs against an older checkout (copy it into that
+checkout's benchmarks/ folder): the "before" column of docs/benchmarks.md.
+
 The library is not instrumented: this script wraps the cache, backend and LM head methods
 in ``record_function`` labels for the duration of the profile.
 """
@@ -37,7 +40,6 @@ from treespec.bench import machine_info  # noqa: E402
 from treespec.kv_cache import PagedKVCache  # noqa: E402
 from treespec.mask import causal_mask  # noqa: E402
 from treespec.models import load  # noqa: E402
-from treespec.packing import PackedLinears  # noqa: E402
 from treespec.runner import ModelRunner  # noqa: E402
 
 LABELS = {"kv write": (PagedKVCache, "write"), "kv gather": (PagedKVCache, "gather"),
@@ -115,7 +117,11 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     model, _ = load(args.model, dtype=getattr(torch, args.dtype))
     runner = ModelRunner(model, "torch")
-    packed = PackedLinears(model) if args.pack != "no" else None
+    packed = None
+    if args.pack != "no":
+        from treespec.packing import PackedLinears  # imported here: older checkouts have no packing
+
+        packed = PackedLinears(model)
     modes = {"both": ["plain", "packed"], "yes": ["packed"], "no": ["plain"]}[args.pack]
     prompt = torch.randint(100, 10000, (args.prefix,), generator=torch.Generator().manual_seed(0))
     cache = runner.new_cache([args.prefix + 64])
