@@ -9,9 +9,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 R=benchmarks/results
-STEPS=${STEPS:-"cost profile gemm compile bench-bf16 bench-fp32 humaneval-bf16"}
+STEPS=${STEPS:-"cost tune bench-bf16 profile bench-fp32 humaneval-bf16 gemm compile ngram-chat"}
 HEAD=smollm2-135m-instruct-eagle
-
+TRAIN=$(python -c 'from treespec.data import dataset_path; print(dataset_path("gsm8k-train"))')
 step() {  # step NAME OUTPUT COMMAND...
   local name=$1 out=$2
   shift 2
@@ -23,24 +23,34 @@ step() {  # step NAME OUTPUT COMMAND...
 
 step cost $R/forward_cost-bfloat16.json python benchmarks/forward_cost.py --dtype bfloat16
 step cost $R/forward_cost-float32.json python benchmarks/forward_cost.py --dtype float32
-step profile $R/profile_verify-bfloat16.json python benchmarks/profile_verify.py --dtype bfloat16
-step profile $R/profile_verify-float32.json python benchmarks/profile_verify.py --dtype float32
-step gemm $R/gemm_small_m.txt sh -c "python benchmarks/gemm_small_m.py > $R/gemm_small_m.txt"
-step compile $R/compile_check-bfloat16.json python benchmarks/compile_check.py --dtype bfloat16
+
+# auto's profile: the cost curve measured here (refreshed: a cached curve from a busy
+# machine is worthless) and the calibration learned on GSM8K *train* questions.
+step tune $R/auto-profile-bfloat16.json treespec tune --dtype bfloat16 --dataset "$TRAIN" --prompt-field question \
+  --num-prompts 20 --max-new-tokens 256 --refresh-costs --out $R/auto-profile-bfloat16.json --plot-dir $R
 
 # End to end, GSM8K test, first 50 questions, 256 new tokens, greedy, bf16: plain HF generate,
 # the same-advantage baselines (HF generate and treespec without a draft, both on packed
-# weights), chains and trees of the shipped head.
+# weights), chains and trees of the shipped head, and auto.
 step bench-bf16 $R/cpu-fast-gsm8k50-bf16.json treespec bench --dtype bfloat16 --dataset gsm8k \
   --num-prompts 50 --max-new-tokens 256 --no-hf-lookup \
   --config $HEAD@chain-2 --config $HEAD@chain-3 --config $HEAD@cpu-tiny --config $HEAD@cpu \
-  --config $HEAD@auto --out $R/cpu-fast-gsm8k50-bf16.json --plot-dir $R
-step bench-fp32 $R/cpu-fast-gsm8k20-fp32.json treespec bench --dtype float32 --dataset gsm8k \
-  --num-prompts 20 --max-new-tokens 256 --no-hf-lookup \
+  --config $HEAD@auto --auto-profile $R/auto-profile-bfloat16.json \
+  --out $R/cpu-fast-gsm8k50-bf16.json --plot-dir $R
+step profile $R/profile_verify-bfloat16.json python benchmarks/profile_verify.py --dtype bfloat16
+step profile $R/profile_verify-float32.json python benchmarks/profile_verify.py --dtype float32
+step bench-fp32 $R/cpu-fast-gsm8k10-fp32.json treespec bench --dtype float32 --dataset gsm8k \
+  --num-prompts 10 --max-new-tokens 256 --no-hf-lookup \
   --config $HEAD@chain-2 --config $HEAD@chain-3 --config $HEAD@cpu-tiny --config $HEAD@cpu \
-  --out $R/cpu-fast-gsm8k20-fp32.json --plot-dir $R
+  --out $R/cpu-fast-gsm8k10-fp32.json --plot-dir $R
 step humaneval-bf16 $R/cpu-fast-humaneval20-bf16.json treespec bench --dtype bfloat16 --dataset humaneval \
   --num-prompts 20 --max-new-tokens 256 --no-hf-lookup \
-  --config $HEAD@chain-2 --config $HEAD@cpu-tiny --config $HEAD@auto \
+  --config $HEAD@chain-2 --config $HEAD@cpu-tiny --config $HEAD@auto --auto-profile $R/auto-profile-bfloat16.json \
   --out $R/cpu-fast-humaneval20-bf16.json --plot-dir $R
+step gemm $R/gemm_small_m.txt sh -c "python benchmarks/gemm_small_m.py > $R/gemm_small_m.txt"
+step compile $R/compile_check-bfloat16.json python benchmarks/compile_check.py --dtype bfloat16
+# a draft that is useless on the prompts: prompt lookup on chat questions (few repeats)
+step ngram-chat $R/cpu-fast-chat20-ngram-bf16.json treespec bench --dtype bfloat16 --dataset chat \
+  --num-prompts 20 --max-new-tokens 256 --no-hf-lookup --config ngram@chain-3 --config ngram@auto \
+  --out $R/cpu-fast-chat20-ngram-bf16.json
 echo "== done ($(date -u +%H:%M:%S))"
