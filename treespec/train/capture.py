@@ -48,7 +48,7 @@ import torch
 
 from ..drafters.eagle import eagle3_feature_layers
 from .data import DataStats, Example, read_jsonl, tokenize_example
-from .trainer import Progress, _Hooks, _left_pad, _record, _Recorder
+from .trainer import Progress, _Hooks, _left_pad, _record, generated_records
 
 __all__ = ["CaptureConfig", "capture_plan", "capture_shards", "load_shards", "parse_data_spec", "shard_files"]
 
@@ -309,23 +309,9 @@ def _capture_range(model, tokenizer, cfg, plan, a, b, fids, stats, summary) -> l
 
 def _generate(model, prompts, fids, cfg: CaptureConfig, eos, temperature: float, seeds) -> list[dict]:
     """The target's replies to ``prompts`` and the features of every position, one pass."""
-    from ..drafters.none import NoDrafter
-    from ..engine import generate
-
-    rec = _Recorder(NoDrafter(), fids)
     max_new = max(1, min(cfg.max_new_tokens, cfg.max_length - max(len(p) for p in prompts)))
-    out = generate(model, rec, "chain-1", prompts, max_new_tokens=max_new, eos_token_id=eos,
-                   temperature=temperature, seed=list(seeds) if temperature > 0 else None,
-                   attention_backend=cfg.attention_backend)
-    records = []
-    for prompt, gen, f in zip(prompts, out.sequences, rec.sessions[-1]):
-        toks = list(prompt) + list(gen)
-        feats = torch.cat(f)[: len(toks) - 1]
-        labels = torch.full((len(toks),), -100, dtype=torch.int64)
-        # labels[i] = the target's token after position i (= toks[i+1]).
-        labels[len(prompt) - 1: len(toks) - 1] = torch.tensor(gen)
-        records.append(_record(toks, feats, labels, len(prompt)))
-    return records
+    return generated_records(model, prompts, fids, max_new, eos, attention_backend=cfg.attention_backend,
+                             temperature=temperature, seeds=seeds)
 
 
 # ---- reading ----------------------------------------------------------------------------------

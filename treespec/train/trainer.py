@@ -196,22 +196,6 @@ def capture(model, tokenizer, cfg: TrainConfig, callback: Callable[[Progress], N
     return records, stats
 
 
-class _NoDraft(Drafter):
-    """Root-only trees: plain decoding through treespec's engine."""
-
-    def start(self, model, ctx):
-        class Session(DraftSession):
-            def propose(self, requests, roots, max_depth):
-                from ..tree import Tree
-
-                return [Tree([-1], [r]) for r in roots]
-
-            def commit(self, requests, tokens, features):
-                pass
-
-        return Session()
-
-
 class _Recorder(Drafter):
     """Wraps a drafter and keeps the target features the engine hands it: prompt
     features at start, the accepted path's at each commit. Together they are the features
@@ -242,25 +226,33 @@ class _Recorder(Drafter):
 
 
 def _regenerate(model, prompts, fids, cfg: TrainConfig, eos):
-    """The target's own greedy replies (lossless speculative decoding with prompt lookup)
-    and the features of every position, in one pass."""
+    """The target's own greedy replies and the features of every position, in one pass."""
+    max_new = max(1, min(cfg.regen_max_new_tokens, cfg.max_length - max(len(p) for p in prompts)))
+    return generated_records(model, prompts, fids, max_new, eos, attention_backend="torch")
+
+
+def generated_records(model, prompts, fids, max_new: int, eos, *, attention_backend: str = "torch",
+                      temperature: float = 0.0, seeds=None) -> list[dict]:
+    """Training records of the target's own replies to ``prompts``: generated in one batch
+    through treespec's engine with the features of every position recorded on the way;
+    the label after each position is the token the target wrote there."""
+    from ..drafters.none import NoDrafter
     from ..engine import generate
 
     # No speculation: a batch of requests on a CPU is compute-bound, where every drafted
     # token costs as much as a decoded one.
-    rec = _Recorder(_NoDraft(), fids)
-    max_new = max(1, min(cfg.regen_max_new_tokens, cfg.max_length - max(len(p) for p in prompts)))
+    rec = _Recorder(NoDrafter(), fids)
     out = generate(model, rec, "chain-1", prompts, max_new_tokens=max_new, eos_token_id=eos,
-                   attention_backend="torch")
-    feats = rec.sessions[-1]
+                   temperature=temperature, seed=list(seeds) if temperature > 0 else None,
+                   attention_backend=attention_backend)
     records = []
-    for prompt, gen, f in zip(prompts, out.sequences, feats):
+    for prompt, gen, f in zip(prompts, out.sequences, rec.sessions[-1]):
         toks = list(prompt) + list(gen)
-        f = torch.cat(f)[: len(toks) - 1]
+        feats = torch.cat(f)[: len(toks) - 1]
         labels = torch.full((len(toks),), -100, dtype=torch.int64)
-        # labels[i] = the target's greedy token after position i (= toks[i+1]).
+        # labels[i] = the target's token after position i (= toks[i+1]).
         labels[len(prompt) - 1: len(toks) - 1] = torch.tensor(gen)
-        records.append(_record(toks, f, labels, len(prompt)))
+        records.append(_record(toks, feats, labels, len(prompt)))
     return records
 
 
