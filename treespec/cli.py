@@ -34,10 +34,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_DRAFT = "smollm2-135m-instruct-eagle"
-# treespec bench's configurations when none is asked for: the README's recommendation (chain-2)
-# and the next fastest in docs/benchmarks.md's tree sweep (chain-1 1.14x, the 8-node tree 0.87x).
-# The fastest with the shipped head on the CPU fast path (bf16 and fp32 on packed weights,
-# docs/benchmarks.md): the 8-node tree first, the README's recommendation.
+# generate's tree and bench's configurations when none is asked for: the fastest with the
+# shipped head on the CPU fast path (docs/benchmarks.md: bf16, GSM8K-50, chain-3 2.03x and
+# cpu-tiny 2.02x; fp32, GSM8K-10, cpu-tiny 2.29x and chain-3 2.25x), the 8-node tree first.
 DEFAULT_TREE = "cpu-tiny"
 DEFAULT_BENCH_CONFIGS = (f"{DEFAULT_DRAFT}@cpu-tiny", f"{DEFAULT_DRAFT}@chain-3", f"{DEFAULT_DRAFT}@chain-2")
 # A GSM8K-style word problem (GSM8K train, first record): the shipped head trained on them.
