@@ -136,6 +136,17 @@ def test_no_drafter_is_autoregressive_decoding():
         hf_greedy(model, PROMPTS[0], 5)
 
 
+def test_prompts_as_numpy_arrays():
+    import numpy as np
+
+    model = tiny_model("llama", seed=6)
+    arrays = [np.array(p, dtype=np.int64) for p in PROMPTS[:2]]
+    out = treespec.generate(model, "none", "chain-1", arrays, max_new_tokens=4)
+    assert out.sequences == [hf_greedy(model, p, 4) for p in PROMPTS[:2]]
+    assert treespec.generate(model, "none", "chain-1", arrays[0], max_new_tokens=4).sequences[0] == \
+        hf_greedy(model, PROMPTS[0], 4)
+
+
 # ---- greedy differences judged in fp32 ---------------------------------------------------
 
 
@@ -202,12 +213,32 @@ def test_bf16_judgement_catches_a_wrong_tree_mask(monkeypatch):
 
 
 @needs_onednn
-def test_bench_runs_the_same_advantage_baselines():
+def test_bench_runs_the_same_advantage_baselines(monkeypatch):
     model = tiny_model("llama", seed=9)
     packed = PackedLinears(model)
     configs = [BenchConfig.hf_generate(fast=True), BenchConfig.treespec_ar(),
                BenchConfig.treespec(NgramDrafter(), TreeConfig.chain(3), "ngram", "chain-3")]
+    # Which configurations ran on the packed weights: count packed forwards per run.
+    import treespec.bench as bench
+
+    calls, runs = [0], []
+    real_forward, real_run = PackedLinear.forward, bench._run_one_inner
+
+    def counting_forward(self, x):
+        calls[0] += 1
+        return real_forward(self, x)
+
+    def counting_run(model, cfg, *a, **kw):
+        before = calls[0]
+        rec = real_run(model, cfg, *a, **kw)
+        runs.append((cfg.name, calls[0] > before))
+        return rec
+
+    monkeypatch.setattr(PackedLinear, "forward", counting_forward)
+    monkeypatch.setattr(bench, "_run_one_inner", counting_run)
     res = run_bench(model, PROMPTS, configs, max_new_tokens=10, warmup=False, fast_path=packed)
+    on_packed = {name: used for name, used in runs}
+    assert on_packed == {"hf-generate": False, "hf-generate+fast": True, "treespec-ar": True, "ngram/chain-3": True}
     data = to_json(res)
     names = [c["name"] for c in data["configs"]]
     assert names == ["hf-generate", "hf-generate+fast", "treespec-ar", "ngram/chain-3"]

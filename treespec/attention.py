@@ -82,7 +82,7 @@ def make_batch(
         prefix_lens=torch.as_tensor(list(prefix_lens), dtype=torch.int64),
         local_masks=list(local_masks),
         kv_lens=torch.tensor(kv_lens, dtype=torch.int64),
-        write_slots=as_slice(torch.cat(writes)),
+        write_slots=as_slice(torch.cat(writes)) if cache.device.type == "cpu" else torch.cat(writes),
         key_positions=list(key_positions),
         backend=backend,
     )
@@ -138,7 +138,7 @@ class TorchBackend(AttentionBackend):
             qpos[b, : n[b]] = kp[kp.numel() - n[b] :]
             q_index.append(b * n_max + torch.arange(n[b]))
         dev = cache.device
-        span = as_slice(gather[0]) if B == 1 else None
+        span = as_slice(gather[0]) if B == 1 and dev.type == "cpu" else None
         return TorchPlan(
             gather_slots=span if isinstance(span, slice) else gather,
             mask=mask[:, None].to(dev),

@@ -140,7 +140,9 @@ class BenchConfig:
 
     @property
     def speculates(self) -> bool:
-        return self.kind == HF_LOOKUP or (self.kind == TREESPEC and self.name != TREESPEC_AR)
+        from .drafters.none import NoDrafter
+
+        return self.kind == HF_LOOKUP or (self.kind == TREESPEC and not isinstance(self.drafter, NoDrafter))
 
 
 # ---- prompts ----------------------------------------------------------------------------

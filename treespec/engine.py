@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from .auto import AutoController, AutoProfile
@@ -151,6 +152,8 @@ def _prompts(input_ids) -> tuple[list[list[int]], bool]:
             if x.dtype.is_floating_point or x.dtype == torch.bool:
                 raise ValueError(f"prompt token ids must be integers, got {x.dtype}")
             return [int(t) for t in x.tolist()]
+        if isinstance(x, np.ndarray) and x.ndim == 1 and x.dtype.kind in "iu":
+            return [int(t) for t in x.tolist()]
         if not isinstance(x, (list, tuple)):
             raise ValueError(f"a prompt must be a list of token ids or a 1-D tensor, got {type(x).__name__}")
         ids = []
@@ -163,6 +166,10 @@ def _prompts(input_ids) -> tuple[list[list[int]], bool]:
                 raise ValueError(f"prompt token ids must be ints, got {type(t).__name__} {t!r}") from None
         return ids
 
+    if isinstance(input_ids, np.ndarray):
+        if input_ids.dtype.kind not in "iu":
+            raise ValueError(f"prompt token ids must be integers, got a numpy array of {input_ids.dtype}")
+        input_ids = torch.from_numpy(input_ids)
     if isinstance(input_ids, Mapping):  # a tokenizer's BatchEncoding
         if "input_ids" not in input_ids:
             raise ValueError("input_ids is a mapping without an 'input_ids' entry")
@@ -181,7 +188,8 @@ def _prompts(input_ids) -> tuple[list[list[int]], bool]:
         raise ValueError("input_ids must be a non-empty list of ints, a 1-D tensor, or a list of those")
     if any(isinstance(t, (str, bytes)) for t in input_ids):
         raise ValueError(_TEXT_NOT_IDS)
-    if not any(isinstance(t, (list, tuple, Mapping)) or (isinstance(t, torch.Tensor) and t.dim() > 0) for t in input_ids):
+    if not any(isinstance(t, (list, tuple, Mapping)) or (isinstance(t, (torch.Tensor, np.ndarray)) and t.ndim > 0)
+               for t in input_ids):
         # One prompt of scalars; one() names an entry that is not a token id.
         if not input_ids:
             raise ValueError("input_ids is empty")
@@ -271,7 +279,10 @@ def stream(
     config but the EOS id, and there is no implicit ``top_k=50``; pass ``top_k=50`` to
     sample as transformers does by default. See :func:`generate` for the arguments.
     ``seed`` is an int (request i uses ``seed + i``) or one seed per request; each request
-    has its own generator, so its output does not depend on its batch.
+    has its own generator, so its output does not depend on its batch (except with an ``auto``
+    tree: its sizes follow measured times and the batch's joint choice, so the uniforms a
+    request draws, and with them its sampled tokens, can differ from run to run; the
+    distribution is exact either way).
     ``auto_profile``: see :func:`generate`.
     """
     for name in options:
@@ -337,9 +348,13 @@ class _AcceptanceWatch:
         self.steps = None if isinstance(drafter, NgramDrafter) else 0
         self.drafted = self.accepted = 0
 
+    @property
+    def active(self) -> bool:
+        return self.steps is not None
+
     def record(self, trees: list[Tree], accepted: int) -> None:
         drafted = sum(t.num_drafted for t in trees)
-        if self.steps is None or drafted == 0:
+        if drafted == 0:
             return
         self.steps += 1
         self.drafted += drafted
@@ -362,7 +377,8 @@ def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts, param
         auto = None
         if cfg.auto:
             profile = auto_profile if auto_profile is not None else AutoProfile()
-            profile.prepare(runner, cfg.max_tree_tokens)  # start-up, not generation time
+            # The batch's trees are verified in one forward: cover up to B trees (capped).
+            profile.prepare(runner, min(B * cfg.max_tree_tokens, max(cfg.max_tree_tokens, 128)))
             auto = AutoController(profile, cfg.num_nodes, cfg.top_k, params.greedy)
         t_start = time.perf_counter()
         cache = runner.new_cache([len(p) + max_new + cfg.max_tree_tokens for p in prompts], page_size)
@@ -460,7 +476,8 @@ def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts, param
             metrics.num_steps += 1
             metrics.tree_tokens += sum(t.num_nodes for t in trees)
             metrics.tree_sizes.extend(t.num_drafted for t in trees)
-            watch.record(trees, sum(len(t) - 1 for t in commit_tokens))
+            if watch.active:
+                watch.record(trees, sum(len(t) - 1 for t in commit_tokens))
             metrics.verify_seconds += time.perf_counter() - t0
 
             t0 = time.perf_counter()
@@ -533,7 +550,8 @@ def generate(
         max_new_tokens: per request; EOS (``eos_token_id`` or the model's generation config)
                     ends a request early and is kept in its output.
         temperature, top_k, top_p, min_p: sampling (``temperature=0`` is greedy).
-        seed:       int or one per request, for reproducible sampling.
+        seed:       int or one per request, for reproducible sampling (not with an ``auto``
+                    tree, whose sizes follow measured times: see :func:`stream`).
         attention_backend: ``"auto"`` (FlashInfer on CUDA when installed), ``"torch"`` or
                     ``"flashinfer"``.
         auto_profile: for an ``auto`` tree (``"auto"``, ``TreeConfig.auto(...)``): the
