@@ -188,7 +188,7 @@ def test_batch_chooses_jointly():
     copies = choose_trees([example_tree()] * 3, exact(), MID, 0.0)
     for t in copies:
         assert t.tokens.tolist() == example_tree().tokens.tolist()[: t.num_nodes]
-    assert all(t is example_tree() or t.num_drafted == 5 for t in choose_trees([example_tree()] * 3, exact(), FLAT, 0.0))
+    assert all(t.num_drafted == 5 for t in choose_trees([example_tree()] * 3, exact(), FLAT, 0.0))
     with_plain = choose_trees([Tree([-1, 0], [0, 1]), sure], exact(), MID, 0.0)  # no scores: kept whole
     assert with_plain[0].num_drafted == 1
 
@@ -404,6 +404,7 @@ def test_profile_learns_across_calls_and_fixed_configs_record_sizes():
     treespec.generate(model, NgramDrafter(), "auto", PROMPTS, max_new_tokens=10, auto_profile=profile,
                       temperature=1.0, seed=0)
     assert profile.greedy.num_observed == seen  # sampling learns into its own calibration
+    assert profile.sampling.num_observed > 0
     fixed = treespec.generate(model, NgramDrafter(), "chain-3", PROMPTS, max_new_tokens=10).metrics
     assert len(fixed.tree_sizes) == fixed.num_request_steps and max(fixed.tree_sizes) <= 3
 
