@@ -90,14 +90,17 @@ class PackedLinears:
         self.model = model
         # (parent module, attribute name, original Linear, packed replacement)
         self._swaps: list[tuple[nn.Module, str, nn.Linear, PackedLinear]] = []
-        seen = set()  # a layer shared by two modules (an early-exit draft) is packed once
+        seen: set[tuple[int, str]] = set()  # (parent, attribute) already swapped
+        packed: dict[int, PackedLinear] = {}  # a Linear shared by two modules is packed once
         with torch.inference_mode():
             for root in (model, *more):
                 for parent in root.modules():
                     for name, child in parent.named_children():
                         if type(child) is nn.Linear and (id(parent), name) not in seen:
                             seen.add((id(parent), name))
-                            self._swaps.append((parent, name, child, PackedLinear(child, batch_hint)))
+                            if id(child) not in packed:
+                                packed[id(child)] = PackedLinear(child, batch_hint)
+                            self._swaps.append((parent, name, child, packed[id(child)]))
         self._depth = 0
         self.pack_seconds = time.perf_counter() - t0
         log.info("packed %d linear layers for oneDNN in %.2f s", len(self._swaps), self.pack_seconds)
