@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -156,6 +158,27 @@ def test_calibration_forces_monotone_on_noisy_bins():
     assert fit[low] == pytest.approx(fit[high])  # pooled into one block
 
 
+def test_calibration_memory_gives_way_to_a_new_domain():
+    """Learned on text it drafts well (80% accepted), then verified on text it drafts badly
+    (20%): with a memory the fit follows within a few hundred steps; without, it would not."""
+    rng = np.random.default_rng(0)
+    fits = {}
+    for memory in (400.0, None):
+        c = Calibration(memory=memory)
+        c.observe(np.full(50000, -0.5), rng.random(50000) < 0.8)
+        for _ in range(100):  # 100 steps of 20 verified nodes in that bin
+            c.observe(np.full(20, -0.5), rng.random(20) < 0.2)
+        b = int(c.bin_of(np.array([-0.5]))[0])
+        fits[memory] = float(c.fitted()[b])
+        assert c.seen[b] <= (memory or np.inf) + 1e-9
+    assert fits[400.0] == pytest.approx(0.2, abs=0.07)
+    assert fits[None] > 0.7
+    with pytest.raises(ValueError, match="memory"):
+        Calibration(memory=0.5)
+    c = Calibration(memory=None)
+    assert Calibration.from_json(c.to_json()).memory is None
+
+
 # ---- early stop --------------------------------------------------------------------------
 
 
@@ -225,6 +248,23 @@ def test_controller_drafts_deep_on_flat_costs_and_stops_on_steep(curve, levels):
     drafted = 1 + sum(not s for _, s in asked)  # level 1 comes with the root's log-probs
     assert drafted == levels
     assert tree.max_depth <= levels
+
+
+def test_level_time_is_the_gap_between_decisions_not_the_root_step():
+    """t_level is learned from the time between consecutive early-stop calls: a slow root step
+    (here 300 ms) before the first call must not count as a level (here ~10 ms each)."""
+    ctl = AutoController(AutoProfile(costs=FLAT), 30, 3, greedy=True)
+    frontier, pool = torch.full((1, 3), -0.1), torch.full((1, 3), -0.1)
+    ctl.begin_step()
+    time.sleep(0.3)
+    for depth in (1, 2, 3):
+        assert ctl.stop(depth, frontier, pool) is False  # flat costs, likely nodes: keep going
+        time.sleep(0.01)
+    assert 0.008 < ctl.profile.level_seconds < 0.15  # generous: a busy machine oversleeps
+    ctl.begin_step()  # a new step: its root step is not a gap either
+    time.sleep(0.3)
+    ctl.stop(1, frontier, pool)
+    assert ctl.profile.level_seconds < 0.15
 
 
 # ---- cost curve and its cache ------------------------------------------------------------

@@ -22,7 +22,9 @@ nodes each worth at most p_f raise the rate only if
 
     m * p_f > J* * (t_level + t_verify(n* + 1 + m) - t_verify(n* + 1))
 
-for some m >= 1 (t_level: one more level's draft time, measured online). When n* is the
+for some m >= 1 (t_level: one more level's draft time, measured online as the time between
+two consecutive early-stop decisions, so the root's step and the tree's assembly are not
+counted as levels). When n* is the
 whole budget, deeper nodes can only replace chosen ones, gaining at most p_f - p_min each.
 When no request can gain, drafting stops.
 
@@ -255,31 +257,35 @@ class AutoController:
         self.profile, self.max_nodes, self.top_k = profile, max_nodes, top_k
         self.calibration = profile.calibration(greedy)
         self._t0 = time.perf_counter()
-        self._levels = 0  # draft levels run this step (stop said no)
+        self._last_stop: float | None = None  # when this step's last "keep drafting" was said
 
     def begin_step(self) -> None:
         self._t0 = time.perf_counter()
-        self._levels = 0
+        self._last_stop = None
 
     def stop(self, depth: int, frontier_scores: torch.Tensor, pool_scores: torch.Tensor) -> bool:
         """Builder callback after level ``depth``: True ends drafting for the whole batch.
 
         frontier_scores: float ``[B, k]``; pool_scores: float ``[B, P]`` (every candidate so far).
+
+        The time between two consecutive calls is one level's draft time (the head's step over
+        the frontier, its expansion, and this decision): t_level is learned from those gaps
+        only, never from the root's step or the tree's assembly after the last level.
         """
+        now = time.perf_counter()
+        if self._last_stop is not None:
+            gap, old = now - self._last_stop, self.profile.level_seconds
+            self.profile.level_seconds = gap if old is None else (1 - LEVEL_EMA) * old + LEVEL_EMA * gap
         pool = pool_scores.detach().float().cpu().numpy().astype(np.float64)
         probs = self.calibration(-np.sort(-pool, axis=1))
         p_f = self.calibration(frontier_scores.detach().float().cpu().numpy().max(axis=1))
-        if keep_drafting(probs, p_f, self.profile.costs, time.perf_counter() - self._t0,
-                         self.profile.level_seconds or 0.0, self.max_nodes, self.top_k):
-            self._levels += 1
-            return False
-        return True
+        # Unmeasured yet: assume a level is free, so the next step drafts one and measures it.
+        go = keep_drafting(probs, p_f, self.profile.costs, now - self._t0, self.profile.level_seconds or 0.0,
+                           self.max_nodes, self.top_k)
+        self._last_stop = now if go else None
+        return not go
 
     def choose(self, trees: Sequence[Tree], propose_seconds: float) -> list[Tree]:
-        if self._levels:
-            per_level = propose_seconds / self._levels
-            old = self.profile.level_seconds
-            self.profile.level_seconds = per_level if old is None else (1 - LEVEL_EMA) * old + LEVEL_EMA * per_level
         return choose_trees(trees, self.calibration, self.profile.costs, propose_seconds)
 
     def learn(self, trees: Sequence[Tree], paths: Sequence[Sequence[int]]) -> None:

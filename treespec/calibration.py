@@ -13,7 +13,11 @@ map from score to acceptance is learned from what verification actually accepted
 * pool-adjacent-violators over the bins (weights = observations + pseudo-counts) makes the
   fit monotone non-decreasing in the score, which keeps a child's probability at most its
   parent's (its score is at most its parent's) and the chosen node sets ancestor-closed;
-* between bin centres the fit is interpolated linearly (still monotone).
+* between bin centres the fit is interpolated linearly (still monotone);
+* a bin remembers at most ``memory`` observations: past that, its counts are scaled down
+  with each new observation (an exponential moving average of weight 1/memory), so a
+  calibration learned on one kind of text gives way within a few hundred steps to what
+  verification says on another (a profile tuned on maths, then code).
 
 Everything is plain floats and lists: ``to_json`` / ``from_json`` round-trip exactly.
 """
@@ -51,12 +55,14 @@ class Calibration:
     Attributes:
         edges:        upper score edge of each bin (ascending, last 0.0).
         prior_weight: pseudo-observations of the prior ``exp(centre)`` per bin.
+        memory:       most observations a bin keeps (older ones fade); None keeps all.
         seen:         verified nodes per bin.
         accepted:     of those, accepted ones.
     """
 
     edges: list[float] = field(default_factory=lambda: list(DEFAULT_EDGES))
     prior_weight: float = 4.0
+    memory: float | None = 400.0
     seen: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
 
@@ -66,6 +72,8 @@ class Calibration:
             raise ValueError("calibration edges must be at least two ascending values")
         if self.prior_weight <= 0:
             raise ValueError(f"prior_weight must be > 0, got {self.prior_weight}")
+        if self.memory is not None and not self.memory >= 1:
+            raise ValueError(f"memory must be >= 1 observation (or None: keep all), got {self.memory}")
         self.edges = e
         self.seen = [float(x) for x in self.seen] or [0.0] * len(e)
         self.accepted = [float(x) for x in self.accepted] or [0.0] * len(e)
@@ -118,6 +126,11 @@ class Calibration:
         n = len(self.edges)
         seen = np.array(self.seen) + np.bincount(b, minlength=n)
         acc = np.array(self.accepted) + np.bincount(b, weights=a[ok], minlength=n)
+        if self.memory is not None:
+            # A bin past its memory is scaled back to ``memory`` observations after each
+            # update: the newest keep their full weight, older ones fade geometrically.
+            scale = np.minimum(1.0, self.memory / np.maximum(seen, 1e-12))
+            seen, acc = seen * scale, acc * scale
         self.seen, self.accepted = seen.tolist(), acc.tolist()
         self._fit = None
 
@@ -128,12 +141,14 @@ class Calibration:
     # ---- JSON ---------------------------------------------------------------------------
 
     def to_json(self) -> dict:
-        return {"edges": list(self.edges), "prior_weight": self.prior_weight, "seen": list(self.seen),
+        return {"edges": list(self.edges), "prior_weight": self.prior_weight, "memory": self.memory,
+                "seen": list(self.seen),
                 "accepted": list(self.accepted), "fitted": [round(float(x), 6) for x in self.fitted()]}
 
     @classmethod
     def from_json(cls, data: dict) -> "Calibration":
-        return cls(data["edges"], data.get("prior_weight", 4.0), data.get("seen", []), data.get("accepted", []))
+        return cls(data["edges"], data.get("prior_weight", 4.0), data.get("memory", 400.0), data.get("seen", []),
+                   data.get("accepted", []))
 
     def copy(self) -> "Calibration":
         return Calibration.from_json(self.to_json())
