@@ -194,6 +194,36 @@ def test_reference_answers_and_training_from_shards_in_both_layouts(tiny_lm, tmp
         assert (out / "validation.txt").read_text().startswith("loss ")
 
 
+def test_bf16_autocast_training_step_matches_float32(tiny_lm, tmp_path):
+    """The bf16-autocast TTT step (the trainer's default on a CPU with native bf16) computes the
+    loss and gradients of the fp32 step up to bf16 rounding: a wrong cast (a mask or a
+    softmax in bf16 gone bad, labels misaligned) would move them far more."""
+    from treespec.drafters.eagle import EagleHead
+    from treespec.train.trainer import _autocast_dtype, _collate, ttt_loss
+
+    model, tok = tiny_lm
+    cap = tmp_path / "cap"
+    capture_shards(model, tok, _cfg(_data(tmp_path), cap))
+    recs = load_shards(cap)
+    torch.manual_seed(0)
+    head = EagleHead.for_target(model, eagle3=True, draft_vocab_size=None).float()
+    batch = _collate(recs, list(range(len(recs))))
+    grads, losses = [], []
+    for amp in (False, True):
+        head.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            loss, _ = ttt_loss(head, batch, 3)
+        loss.backward()
+        losses.append(float(loss))
+        grads.append(torch.cat([q.grad.reshape(-1) for q in head.parameters() if q.grad is not None]))
+    assert losses[1] == pytest.approx(losses[0], rel=0.02)
+    assert torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0) > 0.98
+    assert _autocast_dtype("float32", torch.device("cpu")) is None
+    assert _autocast_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+    with pytest.raises(ValueError, match="auto, bfloat16 or float32"):
+        _autocast_dtype("fp16", torch.device("cpu"))
+
+
 # ---- command line -----------------------------------------------------------------------------
 
 

@@ -740,6 +740,10 @@ def _add_train(sub):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--ttt-steps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="compute dtype of training (bf16 autocast; weights and optimiser state stay fp32). "
+                        "auto: bf16 on a GPU or a CPU with native bf16, else float32")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.set_defaults(func=_train)
 
 
@@ -758,6 +762,7 @@ def _train(args):
         regenerate_count=None if args.regenerate < 0 else args.regenerate,
         regen_max_new_tokens=args.regen_max_new_tokens, epochs=args.epochs,
         batch_size=args.batch_size, lr=args.lr, ttt_steps=args.ttt_steps, seed=args.seed,
+        dtype=args.dtype, threads=args.threads,
     )
     model, tok = _load_model(args.model)
     bars = {}

@@ -71,6 +71,8 @@ class TrainConfig:
     val_examples: int = 32
     checkpoint_every: int = 200
     threads: int | None = None
+    dtype: str = "auto"  # compute dtype of training: "bfloat16" (autocast; master weights and
+    # AdamW state stay fp32), "float32", or "auto" (bf16 on a GPU or a CPU with native bf16)
     captured: str | None = None  # a treespec capture folder (treespec.train.capture): train on its
     # shards (the first max_examples conversations) instead of capturing from data
     captured_source: str | None = None  # with captured: only this dataset of its mix
@@ -383,6 +385,20 @@ def _collate(records, idx):
     return {"tokens": tokens, "features": feats, "labels": labels, "lengths": lengths}
 
 
+def _autocast_dtype(name: str, device: torch.device) -> torch.dtype | None:
+    """bf16 for autocast, or None (plain fp32). bf16 forward+backward of a TTT step measured
+    1.7-1.9x faster than fp32 on an AMD Zen 4 core (native bf16); validation stays fp32."""
+    if name == "float32":
+        return None
+    if name == "bfloat16":
+        return torch.bfloat16
+    if name != "auto":
+        raise ValueError(f"training dtype must be auto, bfloat16 or float32, got {name!r}")
+    from ..packing import default_dtype
+
+    return torch.bfloat16 if default_dtype(device.type) == torch.bfloat16 else None
+
+
 def train_eagle(model, tokenizer, cfg: TrainConfig, callback: Callable[[Progress], None] | None = None) -> EagleHead:
     """Run the whole pipeline; returns the trained head (also saved to ``cfg.out_dir``)."""
     if cfg.threads:
@@ -458,6 +474,9 @@ def train_eagle(model, tokenizer, cfg: TrainConfig, callback: Callable[[Progress
         r.shuffle(batches)
         return batches
 
+    amp = _autocast_dtype(cfg.dtype, next(head.parameters()).device)
+    log.info("training in %s (%d steps of %d conversations)", "bf16 autocast" if amp else "float32",
+             total_steps, cfg.batch_size)
     head.train()
     t0, tokens_seen = time.time(), 0
     while step < total_steps:
@@ -468,7 +487,9 @@ def train_eagle(model, tokenizer, cfg: TrainConfig, callback: Callable[[Progress
             batch = _collate(records, bidx)
             for g in opt.param_groups:
                 g["lr"] = lr_at(step)
-            loss, accs = ttt_loss(head, batch, cfg.ttt_steps)
+            with torch.autocast(next(head.parameters()).device.type, dtype=amp or torch.bfloat16,
+                                enabled=amp is not None):
+                loss, accs = ttt_loss(head, batch, cfg.ttt_steps)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
