@@ -214,7 +214,7 @@ def test_bf16_autocast_training_step_matches_float32(tiny_lm, tmp_path):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
             loss, _ = ttt_loss(head, batch, 3)
         loss.backward()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         grads.append(torch.cat([q.grad.reshape(-1) for q in head.parameters() if q.grad is not None]))
     assert losses[1] == pytest.approx(losses[0], rel=0.02)
     assert torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0) > 0.98
