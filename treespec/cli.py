@@ -412,6 +412,9 @@ def _add_bench(sub):
     p.add_argument("--lookup-tokens", type=int, default=3, metavar="K",
                    help="HF prompt lookup's prompt_lookup_num_tokens (default: %(default)s, as ngram's chain-3)")
     p.add_argument("--no-hf-lookup", action="store_true", help="skip HF prompt lookup")
+    p.add_argument("--no-treespec-ar", action="store_true",
+                   help="skip the treespec-ar baseline (treespec without a draft on packed weights); "
+                        "HF generate on packed weights stays the same-advantage baseline")
     p.add_argument("--hf-compile", action="store_true",
                    help="also run HF generate with a static cache and torch.compile (compiles for a minute or more "
                         "first; on the CPUs measured it was slower than plain HF generate, docs/benchmarks.md)")
@@ -504,7 +507,7 @@ def _bench(args):
     if fast is not None:
         # The same advantage without speculation: HF generate and treespec's own
         # one-token decoding, both on the packed weights.
-        configs += [BenchConfig.hf_generate(fast=True), BenchConfig.treespec_ar()]
+        configs += [BenchConfig.hf_generate(fast=True)] + ([] if args.no_treespec_ar else [BenchConfig.treespec_ar()])
     if args.hf_compile:
         configs.append(BenchConfig.hf_generate_compiled())
     if not args.no_hf_lookup:

@@ -1,0 +1,53 @@
+"""Time one training step of the EAGLE-3 head (forward + backward of the training-time-test
+loss, 3 steps, batch of 8 captured conversations) in fp32 and under bf16 autocast, in
+alternation, on one capture's conversations.
+
+    python benchmarks/train_step_speed.py --capture runs/cap-val --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import torch
+
+from treespec.drafters.eagle import EagleHead
+from treespec.models import load
+from treespec.train.capture import load_shards
+from treespec.train.trainer import _collate, ttt_loss
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--capture", required=True)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    recs = load_shards(args.capture, eagle3=True, greedy_only=True)[:8]
+    model, _ = load(args.model)
+    head = EagleHead.for_target(model, eagle3=True, draft_vocab_size=4096).float()
+    batch = _collate(recs, list(range(len(recs))))
+    tokens = int(batch["lengths"].sum())
+    times = {"float32": [], "bf16 autocast": []}
+    for _ in range(args.repeats):
+        for name in times:
+            t0 = time.perf_counter()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=name != "float32"):
+                loss, _ = ttt_loss(head, batch, 3)
+            loss.backward()
+            times[name].append(time.perf_counter() - t0)
+            head.zero_grad()
+    print(f"{platform.processor() or platform.machine()}, {args.threads} thread(s), {tokens} tokens per step")
+    for name, ts in times.items():
+        m = statistics.median(ts)
+        print(f"{name:14s} median {m:.2f} s/step, {tokens / m:.0f} tok/s")
+    print(f"bf16 autocast speedup: {statistics.median(times['float32']) / statistics.median(times['bf16 autocast']):.2f}x")
+
+
+if __name__ == "__main__":
+    main()
