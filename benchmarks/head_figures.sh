@@ -9,6 +9,9 @@ cd "$(dirname "$0")/.."
 R=benchmarks/results
 HEAD=${HEAD:-smollm2-135m-instruct-eagle}
 TAG=${TAG:-head2}
+OLD=${OLD:-}  # optional: another head run beside on HumanEval and chat (chain-3)
+EXTRA=()
+[ -n "$OLD" ] && EXTRA=(--config "$OLD@chain-3")
 STEPS=${STEPS:-"tune gsm8k humaneval chat"}
 TRAIN=$(python -c 'from treespec.data import dataset_path; print(dataset_path("gsm8k-train"))')
 step() {  # step NAME OUTPUT COMMAND...
@@ -31,10 +34,10 @@ step gsm8k $R/$TAG-gsm8k50-bf16.json treespec bench --dtype bfloat16 --dataset g
   --out $R/$TAG-gsm8k50-bf16.json
 step humaneval $R/$TAG-humaneval20-bf16.json treespec bench --dtype bfloat16 --dataset humaneval \
   --num-prompts 20 --max-new-tokens 256 --no-hf-lookup --no-treespec-ar \
-  --config "$HEAD@chain-3" --config "$HEAD@cpu" --config "$HEAD@auto" --auto-profile $P \
+  --config "$HEAD@chain-3" --config "$HEAD@cpu" --config "$HEAD@auto" --auto-profile $P "${EXTRA[@]}" \
   --out $R/$TAG-humaneval20-bf16.json
 step chat $R/$TAG-chat24-bf16.json treespec bench --dtype bfloat16 --dataset chat \
   --num-prompts 24 --max-new-tokens 256 --no-hf-lookup --no-treespec-ar \
-  --config "$HEAD@chain-3" --config "$HEAD@cpu" \
+  --config "$HEAD@chain-3" --config "$HEAD@cpu" "${EXTRA[@]}" \
   --out $R/$TAG-chat24-bf16.json
 echo "== done ($(date -u +%H:%M:%S))"
