@@ -12,14 +12,7 @@ R=benchmarks/results
 STEPS=${STEPS:-"cost tune bench-bf16 profile bench-fp32 humaneval-bf16 gemm compile ngram-chat"}
 HEAD=smollm2-135m-instruct-eagle
 TRAIN=$(python -c 'from treespec.data import dataset_path; print(dataset_path("gsm8k-train"))')
-step() {  # step NAME OUTPUT COMMAND...
-  local name=$1 out=$2
-  shift 2
-  [[ " $STEPS " == *" $name "* ]] || return 0
-  if [ -e "$out" ]; then echo "== $name: $out exists, skipped"; return 0; fi
-  echo "== $name: $* ($(date -u +%H:%M:%S))"
-  "$@"
-}
+source benchmarks/steps.sh
 
 step cost $R/forward_cost-bfloat16.json python benchmarks/forward_cost.py --dtype bfloat16
 step cost $R/forward_cost-float32.json python benchmarks/forward_cost.py --dtype float32

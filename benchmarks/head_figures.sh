@@ -14,14 +14,7 @@ EXTRA=()
 [ -n "$OLD" ] && EXTRA=(--config "$OLD@chain-3")
 STEPS=${STEPS:-"tune gsm8k humaneval chat"}
 TRAIN=$(python -c 'from treespec.data import dataset_path; print(dataset_path("gsm8k-train"))')
-step() {  # step NAME OUTPUT COMMAND...
-  local name=$1 out=$2
-  shift 2
-  [[ " $STEPS " == *" $name "* ]] || return 0
-  if [ -e "$out" ]; then echo "== $name: $out exists, skipped"; return 0; fi
-  echo "== $name: $* ($(date -u +%H:%M:%S))"
-  "$@"
-}
+source benchmarks/steps.sh
 P=$R/auto-profile-$TAG-bfloat16.json
 # auto's profile for this head: the cost curve measured now, the calibration on GSM8K train.
 step tune $P treespec tune --dtype bfloat16 --draft "$HEAD" --dataset "$TRAIN" --prompt-field question \
