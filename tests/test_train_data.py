@@ -218,10 +218,10 @@ def test_bf16_autocast_training_step_matches_float32(tiny_lm, tmp_path):
         grads.append(torch.cat([q.grad.reshape(-1) for q in head.parameters() if q.grad is not None]))
     assert losses[1] == pytest.approx(losses[0], rel=0.02)
     assert torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0) > 0.98
-    assert _autocast_dtype("float32", torch.device("cpu")) is None
-    assert _autocast_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+    assert _autocast_dtype("float32", "cpu") is None
+    assert _autocast_dtype("bfloat16", "cpu") == torch.bfloat16
     with pytest.raises(ValueError, match="auto, bfloat16 or float32"):
-        _autocast_dtype("fp16", torch.device("cpu"))
+        _autocast_dtype("fp16", "cpu")
 
 
 # ---- command line -----------------------------------------------------------------------------

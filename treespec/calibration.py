@@ -14,8 +14,8 @@ map from score to acceptance is learned from what verification actually accepted
   fit monotone non-decreasing in the score, which keeps a child's probability at most its
   parent's (its score is at most its parent's) and the chosen node sets ancestor-closed;
 * between bin centres the fit is interpolated linearly (still monotone);
-* a bin remembers at most ``memory`` observations: past that, its counts are scaled down
-  with each new observation (an exponential moving average of weight 1/memory), so a
+* a bin remembers at most ``memory`` observations: past that, its counts are scaled back
+  to ``memory`` after each update (older observations fade geometrically), so a
   calibration learned on one kind of text gives way within a few hundred steps to what
   verification says on another (a profile tuned on maths, then code).
 

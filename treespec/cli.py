@@ -746,7 +746,8 @@ def _add_train(sub):
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="compute dtype of training (bf16 autocast; weights and optimiser state stay fp32). "
                         "auto: bf16 on a GPU or a CPU with native bf16, else float32")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: one per physical core available, as generate and bench)")
     p.set_defaults(func=_train)
 
 
@@ -765,8 +766,9 @@ def _train(args):
         regenerate_count=None if args.regenerate < 0 else args.regenerate,
         regen_max_new_tokens=args.regen_max_new_tokens, epochs=args.epochs,
         batch_size=args.batch_size, lr=args.lr, ttt_steps=args.ttt_steps, seed=args.seed,
-        dtype=args.dtype, threads=args.threads,
+        dtype=args.dtype,
     )
+    _setup_threads(args)
     model, tok = _load_model(args.model)
     bars = {}
 
