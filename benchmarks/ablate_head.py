@@ -11,11 +11,13 @@ and rewrites ``OUT/results.md`` from it.
         --val-capture runs/cap-val --out runs/ablate            # every row
     python benchmarks/ablate_head.py ... --only base,vocab-8192  # some rows
 
-Rows (the base: every captured conversation, target-written answers, draft vocabulary
-4096, 3 training-time-test steps, EAGLE-3; every other row changes one thing):
+Rows (the base: the first --base-examples conversations (default every one), target-written
+answers, draft vocabulary 4096, 3 training-time-test steps, EAGLE-3; every other row changes
+one thing):
 
-    base             all conversations of --capture
-    data-2.5k/7.5k   the first 2,500 / 7,500 conversations (every prefix keeps the capture's mix)
+    base             the first --base-examples conversations of --capture (default: all)
+    data-N           the first N conversations, for each N of --sizes ("all": every one);
+                     every prefix keeps the capture's mix
     vocab-8192/16384 draft vocabulary (--vocabs: the base's, then these two)
     ttt-1/ttt-5      training-time-test steps
     eagle1           the EAGLE-1/2 layout (final-state feature, full vocabulary), same capture
@@ -30,6 +32,7 @@ the same prompts gives the same tokens), so this can run beside other work; wall
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
@@ -51,13 +54,14 @@ class Row:
 
 
 def rows(sizes=(2500, 7500), vocabs=(4096, 8192, 16384), gsm8k_n: int = 2500,
-         source: str = "gsm8k-train") -> list[Row]:
-    small, mid = sizes
+         source: str = "gsm8k-train", base_examples: int | None = None) -> list[Row]:
+    """The ablation table; ``sizes`` holds conversation counts, ``None`` for all of them."""
     base_vocab, v2, v3 = vocabs
+    first = f"first {base_examples}" if base_examples else "all"
     table = [
-        Row("base", f"all, target answers, vocab {base_vocab}, TTT 3, EAGLE-3"),
-        Row(f"data-{_k(small)}", f"first {small} conversations", {"max_examples": small}),
-        Row(f"data-{_k(mid)}", f"first {mid} conversations", {"max_examples": mid}),
+        Row("base", f"{first}, target answers, vocab {base_vocab}, TTT 3, EAGLE-3"),
+        *(Row(f"data-{_k(n) if n else 'all'}", f"first {n} conversations" if n else "all conversations",
+              {"max_examples": n}) for n in sizes),
         Row(f"vocab-{v2}", f"draft vocabulary {v2}", {"draft_vocab_size": v2}),
         Row(f"vocab-{v3}", f"draft vocabulary {v3}", {"draft_vocab_size": v3}),
         Row("ttt-1", "1 training-time-test step", {"ttt_steps": 1}),
@@ -68,7 +72,8 @@ def rows(sizes=(2500, 7500), vocabs=(4096, 8192, 16384), gsm8k_n: int = 2500,
         Row("gsm8k-reference", f"{source}, first {gsm8k_n}, reference answers",
             {"max_examples": gsm8k_n, "captured_source": source}, reference=True),
     ]
-    return [Row(r.name, r.what, {"draft_vocab_size": base_vocab, **r.train}, r.reference) for r in table]
+    base = {"draft_vocab_size": base_vocab, "max_examples": base_examples}
+    return [Row(r.name, r.what, {**base, **r.train}, r.reference) for r in table]
 
 
 def _k(n: int) -> str:
@@ -88,6 +93,7 @@ def tau(model, drafter, tree: str, prompts, max_new_tokens: int) -> float:
 
 def run_row(row: Row, args, model_train, tok, model_eval, prompt_sets) -> dict:
     from treespec.drafters import load_draft
+    from treespec.packing import PackedLinears, packing_supported
     from treespec.train import TrainConfig, train_eagle
 
     out = Path(args.out) / row.name
@@ -108,9 +114,10 @@ def run_row(row: Row, args, model_train, tok, model_eval, prompt_sets) -> dict:
         "tau": {},
     }
     drafter = load_draft(out / "head", model_eval)
-    for name, prompts in prompt_sets.items():
-        for tree in args.trees:
-            result["tau"][f"{name}@{tree}"] = round(tau(model_eval, drafter, tree, prompts, args.max_new_tokens), 3)
+    with PackedLinears(model_eval) if packing_supported(model_eval) else contextlib.nullcontext():
+        for name, prompts in prompt_sets.items():
+            for tree in args.trees:
+                result["tau"][f"{name}@{tree}"] = round(tau(model_eval, drafter, tree, prompts, args.max_new_tokens), 3)
     return result
 
 
@@ -133,7 +140,9 @@ def main(argv=None) -> int:
     ap.add_argument("--val-capture", required=True, help="held-out capture (target answers) for top-1 by step")
     ap.add_argument("--out", required=True, help="one folder per row, results.jsonl and results.md")
     ap.add_argument("--only", default=None, help="comma-separated row names (default: all)")
-    ap.add_argument("--sizes", default="2500,7500", help="the two smaller data sizes")
+    ap.add_argument("--base-examples", type=int, default=None,
+                    help="conversations every row but data-* trains on (default: all of --capture)")
+    ap.add_argument("--sizes", default="2500,7500", help="data sizes of the data-* rows ('all': every one)")
     ap.add_argument("--vocabs", default="4096,8192,16384", help="the base draft vocabulary, then the two others")
     ap.add_argument("--gsm8k-examples", type=int, default=2500, help="conversations of the answers ablation")
     ap.add_argument("--answers-source", default="gsm8k-train",
@@ -157,9 +166,9 @@ def main(argv=None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    sizes = tuple(int(x) for x in args.sizes.split(","))
+    sizes = tuple(None if x == "all" else int(x) for x in args.sizes.split(","))
     vocabs = tuple(int(x) for x in args.vocabs.split(","))
-    table = rows(sizes, vocabs, args.gsm8k_examples, args.answers_source)
+    table = rows(sizes, vocabs, args.gsm8k_examples, args.answers_source, args.base_examples)
     if args.only:
         wanted = args.only.split(",")
         unknown = set(wanted) - {r.name for r in table}

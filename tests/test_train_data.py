@@ -270,17 +270,21 @@ def test_ablation_runner_on_a_tiny_capture(tmp_path, capsys):
     prompts = tmp_path / "eval.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ("Once upon a time", "Tom and Lily")) + "\n")
     argv = ["--model", str(lm), "--capture", str(tmp_path / "cap"), "--reference-capture", str(tmp_path / "ref"),
-            "--val-capture", str(tmp_path / "val"), "--out", str(tmp_path / "abl"), "--sizes", "3,5",
+            "--val-capture", str(tmp_path / "val"), "--out", str(tmp_path / "abl"), "--sizes", "3,all", "--base-examples", "6",
             "--gsm8k-examples", "4", "--answers-source", data, "--vocabs", "64,128,256", "--epochs", "1", "--batch-size", "4",
             "--eval", f"{prompts}:2", "--trees", "chain-3,cpu-tiny", "--max-new-tokens", "8", "--dtype", "float32"]
-    assert ablate_head.main(argv + ["--only", "base,data-3,ttt-1,eagle1,gsm8k-target,gsm8k-reference,vocab-128"]) == 0
+    assert ablate_head.main(argv + ["--only", "base,data-3,data-all,ttt-1,eagle1,gsm8k-target,gsm8k-reference,"
+                                             "vocab-128"]) == 0
     rows = [json.loads(x) for x in (tmp_path / "abl" / "results.jsonl").read_text().splitlines()]
-    assert [r["name"] for r in rows] == ["base", "data-3", "vocab-128", "ttt-1", "eagle1", "gsm8k-target",
+    assert [r["name"] for r in rows] == ["base", "data-3", "data-all", "vocab-128", "ttt-1", "eagle1", "gsm8k-target",
                                          "gsm8k-reference"]
+    sizes = [r["train"]["max_examples"] for r in rows]
+    assert sizes[:5] == [6, 3, None, 6, 6] and sizes[6:] == [4, 4]  # the base's size, unless the row varies it
+    rows.pop(2)
     assert all(set(r["tau"]) == {"eval@chain-3", "eval@cpu-tiny"} and r["tau"]["eval@chain-3"] >= 1.0 for r in rows)
     assert len(rows[3]["top1_by_step"]) == 1 and len(rows[0]["top1_by_step"]) == 3
     assert rows[-1]["captured"].endswith("ref")
     md = (tmp_path / "abl" / "results.md").read_text()
-    assert md.count("\n| ") == 7 and "tau eval@chain-3" in md
+    assert md.count("\n| ") == 8 and "tau eval@chain-3" in md
     assert ablate_head.main(argv + ["--only", "base"]) == 0  # a row already there is skipped
-    assert len((tmp_path / "abl" / "results.jsonl").read_text().splitlines()) == 7
+    assert len((tmp_path / "abl" / "results.jsonl").read_text().splitlines()) == 8
