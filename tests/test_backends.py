@@ -213,3 +213,29 @@ def test_flashinfer_matches_torch_backend_fp16(page_size):
             for b in ("torch", "flashinfer")]
     assert outs[0] == outs[1]
     assert all(len(s) == 16 for s in outs[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_cache_keeps_half_precision_kv_in_fp32_with_identical_logits(dtype):
+    """A bf16/fp16 model's K/V are kept in fp32 on a CPU (the torch backend attends in fp32):
+    the values are exact, so prefill and a tree forward give the logits a cache of the
+    model's own dtype gives, bit for bit."""
+    model = tiny_model("llama", seed=3).to(dtype)
+    runner = ModelRunner(model, "torch")
+    prompt = torch.tensor([1, 5, 9, 3, 7, 5, 9, 2, 4])
+    tree = Tree([-1, 0, 0, 1, 1, 2], torch.tensor([7, 3, 8, 11, 2, 5]))
+    logits = {}
+    for kept in (None, dtype):
+        cache = runner.new_cache([32])
+        if kept is not None:  # the same cache in the model's own dtype
+            cache.k = [k.to(kept) for k in cache.k]
+            cache.v = [v.to(kept) for v in cache.v]
+        else:
+            assert cache.k[0].dtype == torch.float32
+        seq = cache.add_sequence()
+        with runner.attached():
+            pre = runner.forward(cache, [seq], [prompt], [torch.arange(9)], [causal_mask(9)])
+            cache.commit(seq, torch.arange(9))
+            out = runner.forward(cache, [seq], [tree.tokens], [tree.position_ids(9)], [tree.attention_mask()])
+        logits[kept] = torch.cat([pre.logits[0], out.logits[0]])
+    assert torch.equal(logits[None], logits[dtype])

@@ -25,9 +25,19 @@ from transformers import AttentionInterface
 
 from .kv_cache import PagedKVCache, as_slice
 
-__all__ = ["ForwardBatch", "TorchBackend", "FlashInferBackend", "get_backend", "ATTENTION_NAME"]
+__all__ = ["ForwardBatch", "TorchBackend", "FlashInferBackend", "get_backend", "ATTENTION_NAME", "kv_dtype"]
 
 ATTENTION_NAME = "treespec"
+
+
+def kv_dtype(dtype: torch.dtype, device) -> torch.dtype:
+    """The dtype a KV cache for a model in ``dtype`` keeps. On a CPU the torch backend
+    attends in fp32 (see :meth:`TorchBackend.run`), so a bf16/fp16 model's K/V are kept in
+    fp32: the values are the model's own (every bf16/fp16 number is exact in fp32), and
+    each layer reads its keys without converting the whole cache again at every step."""
+    if torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+        return torch.float32
+    return dtype
 
 
 @dataclass

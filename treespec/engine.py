@@ -501,11 +501,14 @@ def _pick(logits: torch.Tensor, params: SamplingParams, gen) -> int:
 
 def _verify(trees: list[Tree], logits: list[torch.Tensor], params: SamplingParams, gens) -> list[Verdict]:
     n = max(t.num_nodes for t in trees)
+    if params.greedy:  # argmax in the logits' own dtype: widening to fp32 is exact, so it picks the same
+        argmax = torch.zeros(len(trees), n, dtype=torch.int64, device=logits[0].device)
+        for i, l in enumerate(logits):
+            argmax[i, : l.shape[0]] = l.argmax(-1)
+        return verify_greedy(trees, argmax)
     padded = torch.zeros(len(trees), n, logits[0].shape[-1], dtype=torch.float32, device=logits[0].device)
     for i, l in enumerate(logits):
         padded[i, : l.shape[0]] = l.float()
-    if params.greedy:
-        return verify_greedy(trees, padded.argmax(-1))
     probs = params.probs(padded)
     # Each request draws from its own generator, shaped by its own tree only, so its
     # samples do not depend on the other requests of the batch.

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from .attention import ATTENTION_NAME, AttentionBackend, get_backend, make_batch
+from .attention import ATTENTION_NAME, AttentionBackend, get_backend, kv_dtype, make_batch
 from .kv_cache import PagedKVCache
 
 __all__ = ["ModelRunner", "ForwardOutput", "FINAL_NORM", "check_supported", "SUPPORTED_MODEL_TYPES"]
@@ -82,7 +82,8 @@ class ModelRunner:
     def new_cache(self, tokens_per_seq: Sequence[int], page_size: int = 16) -> PagedKVCache:
         pages = sum(-(-int(n) // page_size) for n in tokens_per_seq) + len(tokens_per_seq)
         return PagedKVCache(
-            self.num_layers, self.num_kv_heads, self.head_dim, pages, page_size, self.dtype, self.device
+            self.num_layers, self.num_kv_heads, self.head_dim, pages, page_size,
+            kv_dtype(self.dtype, self.device), self.device,
         )
 
     @contextlib.contextmanager

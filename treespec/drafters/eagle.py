@@ -35,7 +35,7 @@ from transformers.models.llama.modeling_llama import (
     LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb,
 )
 
-from ..attention import get_backend, make_batch
+from ..attention import get_backend, kv_dtype, make_batch
 from ..builder import Frontier, build_trees
 from ..kv_cache import PagedKVCache
 from ..runner import FINAL_NORM
@@ -439,7 +439,7 @@ class EagleSession(DraftSession):
         sizes = [len(pr) + ctx.max_new_tokens + room for pr in ctx.prompts]
         ps = drafter.page_size
         self.cache = PagedKVCache(1, c.num_kv_heads, c.head_dim, sum(-(-n // ps) + 1 for n in sizes), ps,
-                                  self.dtype, self.device)
+                                  kv_dtype(self.dtype, self.device), self.device)
         self.seq = [self.cache.add_sequence() for _ in ctx.prompts]
         self.root_logp: dict[int, torch.Tensor] = {}
         self.root_state: dict[int, torch.Tensor] = {}
