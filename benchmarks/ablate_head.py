@@ -10,6 +10,7 @@ and rewrites ``OUT/results.md`` from it.
     python benchmarks/ablate_head.py --capture runs/cap-all --reference-capture runs/cap-ref \\
         --val-capture runs/cap-val --out runs/ablate            # every row
     python benchmarks/ablate_head.py ... --only base,vocab-8192  # some rows
+    python benchmarks/ablate_head.py ... --existing shipped=smollm2-135m-instruct-eagle  # a row for a head trained elsewhere
 
 Rows (the base: the first --base-examples conversations (default every one), target-written
 answers, draft vocabulary 4096, 3 training-time-test steps, EAGLE-3; every other row changes
@@ -121,6 +122,35 @@ def run_row(row: Row, args, model_train, tok, model_eval, prompt_sets) -> dict:
     return result
 
 
+def validate(head, val_capture: str, val_examples: int, ttt_steps: int = 3) -> tuple[float, list[float]]:
+    """Held-out loss and top-1 by step of a trained head, as train-eagle validates."""
+    from treespec.train.capture import load_shards
+    from treespec.train.trainer import _collate, ttt_loss
+
+    head = head.float().eval()
+    recs = load_shards(val_capture, eagle3=head.config.eagle3, greedy_only=True)[:val_examples]
+    with torch.no_grad():
+        loss, acc = ttt_loss(head, _collate(recs, range(len(recs))), ttt_steps)
+    return float(loss), [round(float(a), 4) for a in acc]
+
+
+def existing_row(name: str, head: str, args, model_train, model_eval, prompt_sets) -> dict:
+    """A row for a head trained elsewhere (e.g. the shipped one): validated on the same
+    held-out conversations and measured on the same prompts as the trained rows."""
+    from treespec.drafters import load_draft
+    from treespec.packing import PackedLinears, packing_supported
+
+    loss, top1 = validate(load_draft(head, model_train).head, args.val_capture, args.val_examples)
+    result = {"name": name, "what": f"existing head {head}", "head": head, "train": {}, "epochs": None,
+              "train_seconds": None, "val_loss": round(loss, 4), "top1_by_step": top1, "tau": {}}
+    drafter = load_draft(head, model_eval)
+    with PackedLinears(model_eval) if packing_supported(model_eval) else contextlib.nullcontext():
+        for pname, prompts in prompt_sets.items():
+            for tree in args.trees:
+                result["tau"][f"{pname}@{tree}"] = round(tau(model_eval, drafter, tree, prompts, args.max_new_tokens), 3)
+    return result
+
+
 def write_markdown(results: list[dict], path: Path) -> None:
     cols = sorted({k for r in results for k in r["tau"]})
     head = "| row | what | held-out top-1 by step | val loss | " + " | ".join(f"tau {c}" for c in cols) + " | train s |"
@@ -128,7 +158,8 @@ def write_markdown(results: list[dict], path: Path) -> None:
     for r in results:
         top1 = " / ".join(f"{a:.3f}" for a in r["top1_by_step"])
         taus = " | ".join(f"{r['tau'][c]:.2f}" if c in r["tau"] else "" for c in cols)
-        lines.append(f"| {r['name']} | {r['what']} | {top1} | {r['val_loss']:.3f} | {taus} | {r['train_seconds']:.0f} |")
+        secs = "" if r["train_seconds"] is None else f"{r['train_seconds']:.0f}"
+        lines.append(f"| {r['name']} | {r['what']} | {top1} | {r['val_loss']:.3f} | {taus} | {secs} |")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -140,6 +171,9 @@ def main(argv=None) -> int:
     ap.add_argument("--val-capture", required=True, help="held-out capture (target answers) for top-1 by step")
     ap.add_argument("--out", required=True, help="one folder per row, results.jsonl and results.md")
     ap.add_argument("--only", default=None, help="comma-separated row names (default: all)")
+    ap.add_argument("--existing", action="append", default=[], metavar="NAME=HEAD",
+                    help="also a row for a head trained elsewhere (shipped name or folder), validated and "
+                         "measured like the others; repeatable")
     ap.add_argument("--base-examples", type=int, default=None,
                     help="conversations every row but data-* trains on (default: all of --capture)")
     ap.add_argument("--sizes", default="2500,7500", help="data sizes of the data-* rows ('all': every one)")
@@ -187,13 +221,28 @@ def main(argv=None) -> int:
     for item in args.eval.split(","):
         name, _, n = item.rpartition(":")
         prompt_sets[Path(name).stem if name.endswith(".jsonl") else name] = load_prompts(name, tok, int(n))[0]
+    command = "python benchmarks/ablate_head.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    for item in args.existing:
+        name, sep, head = item.partition("=")
+        if not sep or not name or not head:
+            raise SystemExit(f"--existing takes NAME=HEAD, got {item!r}")
+        if name in done:
+            log.info("%s: already in %s, skipped", name, res_path)
+            continue
+        r = existing_row(name, head, args, model_train, model_eval, prompt_sets)
+        r["command"] = command
+        with res_path.open("a") as f:
+            f.write(json.dumps(r) + "\n")
+        results.append(r)
+        done.add(name)
+        log.info("%s: top-1 %s, tau %s", name, r["top1_by_step"], r["tau"])
     for row in table:
         if row.name in done:
             log.info("%s: already in %s, skipped", row.name, res_path)
             continue
         log.info("%s: %s", row.name, row.what)
         r = run_row(row, args, model_train, tok, model_eval, prompt_sets)
-        r["command"] = "python benchmarks/ablate_head.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        r["command"] = command
         with res_path.open("a") as f:
             f.write(json.dumps(r) + "\n")
         results.append(r)

@@ -286,5 +286,9 @@ def test_ablation_runner_on_a_tiny_capture(tmp_path, capsys):
     assert rows[-1]["captured"].endswith("ref")
     md = (tmp_path / "abl" / "results.md").read_text()
     assert md.count("\n| ") == 8 and "tau eval@chain-3" in md
-    assert ablate_head.main(argv + ["--only", "base"]) == 0  # a row already there is skipped
-    assert len((tmp_path / "abl" / "results.jsonl").read_text().splitlines()) == 8
+    # A row already there is skipped; a head trained elsewhere is validated and measured alike.
+    assert ablate_head.main(argv + ["--only", "base", "--existing", f"again={tmp_path / 'abl' / 'base' / 'head'}"]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "abl" / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == 9 and rows[-1]["name"] == "again" and rows[-1]["train_seconds"] is None
+    assert rows[-1]["tau"] == rows[0]["tau"]  # the same head on the same prompts, greedy
+    assert rows[-1]["top1_by_step"] == pytest.approx(rows[0]["top1_by_step"], abs=0.05)

@@ -12,7 +12,7 @@ _ROOT = Path(__file__).resolve().parent / "assets"
 DRAFTS: dict[str, tuple[Path, str]] = {
     "smollm2-135m-instruct-eagle": (
         _ROOT / "smollm2-135m-instruct-eagle",
-        "EAGLE-3 head for SmolLM2-135M-Instruct, trained by treespec on GSM8K train (docs/training.md)",
+        "EAGLE-3 head for SmolLM2-135M-Instruct, self-distilled by treespec on maths, code and chat prompts (docs/training.md)",
     ),
 }
 
