@@ -122,27 +122,20 @@ def run_row(row: Row, args, model_train, tok, model_eval, prompt_sets) -> dict:
     return result
 
 
-def validate(head, val_capture: str, val_examples: int, ttt_steps: int = 3) -> tuple[float, list[float]]:
-    """Held-out loss and top-1 by step of a trained head, as train-eagle validates."""
-    from treespec.train.capture import load_shards
-    from treespec.train.trainer import _collate, ttt_loss
-
-    head = head.float().eval()
-    recs = load_shards(val_capture, eagle3=head.config.eagle3, greedy_only=True)[:val_examples]
-    with torch.no_grad():
-        loss, acc = ttt_loss(head, _collate(recs, range(len(recs))), ttt_steps)
-    return float(loss), [round(float(a), 4) for a in acc]
-
-
 def existing_row(name: str, head: str, args, model_train, model_eval, prompt_sets) -> dict:
     """A row for a head trained elsewhere (e.g. the shipped one): validated on the same
     held-out conversations and measured on the same prompts as the trained rows."""
     from treespec.drafters import load_draft
     from treespec.packing import PackedLinears, packing_supported
+    from treespec.train import validate
+    from treespec.train.capture import load_shards
 
-    loss, top1 = validate(load_draft(head, model_train).head, args.val_capture, args.val_examples)
+    trained = load_draft(head, model_train).head.float().eval()
+    records = load_shards(args.val_capture, eagle3=trained.config.eagle3, greedy_only=True)[: args.val_examples]
+    loss, top1 = validate(trained, records, ttt_steps=3)
     result = {"name": name, "what": f"existing head {head}", "head": head, "train": {}, "epochs": None,
-              "train_seconds": None, "val_loss": round(loss, 4), "top1_by_step": top1, "tau": {}}
+              "train_seconds": None, "val_loss": round(loss, 4), "top1_by_step": [round(a, 4) for a in top1],
+              "tau": {}}
     drafter = load_draft(head, model_eval)
     with PackedLinears(model_eval) if packing_supported(model_eval) else contextlib.nullcontext():
         for pname, prompts in prompt_sets.items():

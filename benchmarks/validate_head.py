@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 from treespec.drafters import load_draft
 from treespec.models import load
+from treespec.train import validate
 from treespec.train.capture import load_shards
-from treespec.train.trainer import _collate, ttt_loss
 
 
 def main() -> None:
@@ -29,9 +27,8 @@ def main() -> None:
     for name in args.head:
         head = load_draft(name, model).head.float().eval()
         recs = load_shards(args.val_capture, eagle3=head.config.eagle3, greedy_only=True)[: args.val_examples]
-        with torch.no_grad():
-            loss, acc = ttt_loss(head, _collate(recs, range(len(recs))), args.ttt_steps)
-        print(f"{name}: loss {float(loss):.4f} top1_by_step {' '.join(f'{a:.4f}' for a in acc)} "
+        loss, acc = validate(head, recs, args.ttt_steps)
+        print(f"{name}: loss {loss:.4f} top1_by_step {' '.join(f'{a:.4f}' for a in acc)} "
               f"({len(recs)} conversations of {args.val_capture})")
 
 
