@@ -92,9 +92,20 @@ def tau(model, drafter, tree: str, prompts, max_new_tokens: int) -> float:
     return (sum(acc) + len(acc)) / max(len(acc), 1)
 
 
+def taus(drafter, model, prompt_sets, args) -> dict[str, float]:
+    """tau of ``drafter`` on every prompt set with every tree, on packed weights where supported."""
+    from treespec.packing import PackedLinears, packing_supported
+
+    out = {}
+    with PackedLinears(model) if packing_supported(model) else contextlib.nullcontext():
+        for name, prompts in prompt_sets.items():
+            for tree in args.trees:
+                out[f"{name}@{tree}"] = round(tau(model, drafter, tree, prompts, args.max_new_tokens), 3)
+    return out
+
+
 def run_row(row: Row, args, model_train, tok, model_eval, prompt_sets) -> dict:
     from treespec.drafters import load_draft
-    from treespec.packing import PackedLinears, packing_supported
     from treespec.train import TrainConfig, train_eagle
 
     out = Path(args.out) / row.name
@@ -114,11 +125,7 @@ def run_row(row: Row, args, model_train, tok, model_eval, prompt_sets) -> dict:
         "val_loss": float(val["loss"]), "top1_by_step": [float(x) for x in val["top1_by_step"].split()],
         "tau": {},
     }
-    drafter = load_draft(out / "head", model_eval)
-    with PackedLinears(model_eval) if packing_supported(model_eval) else contextlib.nullcontext():
-        for name, prompts in prompt_sets.items():
-            for tree in args.trees:
-                result["tau"][f"{name}@{tree}"] = round(tau(model_eval, drafter, tree, prompts, args.max_new_tokens), 3)
+    result["tau"] = taus(load_draft(out / "head", model_eval), model_eval, prompt_sets, args)
     return result
 
 
@@ -126,7 +133,6 @@ def existing_row(name: str, head: str, args, model_train, model_eval, prompt_set
     """A row for a head trained elsewhere (e.g. the shipped one): validated on the same
     held-out conversations and measured on the same prompts as the trained rows."""
     from treespec.drafters import load_draft
-    from treespec.packing import PackedLinears, packing_supported
     from treespec.train import validate
     from treespec.train.capture import load_shards
 
@@ -136,11 +142,7 @@ def existing_row(name: str, head: str, args, model_train, model_eval, prompt_set
     result = {"name": name, "what": f"existing head {head}", "head": head, "train": {}, "epochs": None,
               "train_seconds": None, "val_loss": round(loss, 4), "top1_by_step": [round(a, 4) for a in top1],
               "tau": {}}
-    drafter = load_draft(head, model_eval)
-    with PackedLinears(model_eval) if packing_supported(model_eval) else contextlib.nullcontext():
-        for pname, prompts in prompt_sets.items():
-            for tree in args.trees:
-                result["tau"][f"{pname}@{tree}"] = round(tau(model_eval, drafter, tree, prompts, args.max_new_tokens), 3)
+    result["tau"] = taus(load_draft(head, model_eval), model_eval, prompt_sets, args)
     return result
 
 
