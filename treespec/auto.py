@@ -304,7 +304,10 @@ class AutoController:
 
     The achieved rate R is this generation's own: a step's tokens are those it committed, its
     seconds the wall time from its ``begin_step`` to the next one (drafting, verification,
-    the draft's update and the engine's bookkeeping), both averaged with weight
+    the draft's update and the engine's bookkeeping) with the verification's wall time
+    (``choose`` to ``learn``) replaced by the cost curve's t_verify of the tokens verified, so
+    that R is in the curve's units even where the curve is off in scale (measured on a
+    quieter or busier machine); tokens and seconds are averaged with weight
     ``max(1/steps, RATE_EMA)`` (a plain mean over the first steps).
     """
 
@@ -316,6 +319,8 @@ class AutoController:
         self._t0 = time.perf_counter()
         self._last_stop: float | None = None  # when this step's last "keep drafting" was said
         self._committed: int | None = None  # tokens the step begun at _t0 committed, once known
+        self._verify = (0.0, 0.0)  # this step's (verify wall time, curve's t_verify), once known
+        self._chosen: tuple[float, int] | None = None  # when choose() ended, tokens to verify
         self._steps, self._tokens, self._seconds = 0, 0.0, 0.0
 
     @property
@@ -328,10 +333,11 @@ class AutoController:
         if self._committed is not None:
             self._steps += 1
             w = max(1.0 / self._steps, RATE_EMA)
+            wall, modelled = self._verify
             self._tokens = (1 - w) * self._tokens + w * self._committed
-            self._seconds = (1 - w) * self._seconds + w * (now - self._t0)
+            self._seconds = (1 - w) * self._seconds + w * max(now - self._t0 - wall + modelled, 1e-9)
         self._t0 = now
-        self._committed = None
+        self._committed, self._chosen, self._verify = None, None, (0.0, 0.0)
         self._last_stop = None
 
     def stop(self, depth: int, frontier_scores: torch.Tensor, pool_scores: torch.Tensor) -> bool:
@@ -357,12 +363,17 @@ class AutoController:
         return not go
 
     def choose(self, trees: Sequence[Tree], propose_seconds: float) -> list[Tree]:
-        return choose_trees(trees, self.calibration, self.profile.costs, propose_seconds, self.rate)
+        chosen = choose_trees(trees, self.calibration, self.profile.costs, propose_seconds, self.rate)
+        self._chosen = (time.perf_counter(), sum(t.num_nodes for t in chosen))
+        return chosen
 
     def learn(self, trees: Sequence[Tree], paths: Sequence[Sequence[int]]) -> None:
         """Each verified drafted node is accepted iff it lies on its request's committed path;
         the step committed every path (root and accepted nodes: the bonus token's count)."""
         self._committed = sum(len(path) for path in paths)
+        if self._chosen is not None:
+            t, q = self._chosen
+            self._verify = (time.perf_counter() - t, float(self.profile.costs(np.array([q]))[0]))
         scores, accepted = [], []
         for t, path in zip(trees, paths):
             if t.num_drafted == 0 or t.scores is None:
