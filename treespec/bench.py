@@ -365,7 +365,8 @@ def run_bench(
                   (:mod:`treespec.divergence`); default by the model's dtype.
         auto_profile: the :class:`~treespec.auto.AutoProfile` that ``auto`` trees start
                   from (each auto configuration learns into its own copy, across its
-                  warm-up and prompts); None: a fresh one each (cost curve from the disk cache).
+                  warm-up and prompts); None: a fresh one each (cost curve from the disk cache,
+                  calibrations the draft's own or else the prior).
     """
     sp = SamplingParams(temperature, top_k, top_p, min_p)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -391,7 +392,8 @@ def run_bench(
     active = [r for r in results if r.skipped is None]
     from .auto import AutoProfile
 
-    profiles = {r.config.name: (auto_profile.copy() if auto_profile is not None else AutoProfile())
+    profiles = {r.config.name: auto_profile.copy() if auto_profile is not None
+                else AutoProfile.starting(r.config.drafter)
                 for r in active if r.config.kind == TREESPEC and r.config.tree.auto}
     for r in results:
         if r.config.kind == TREESPEC:

@@ -34,11 +34,12 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_DRAFT = "smollm2-135m-instruct-eagle"
-# generate's tree and bench's configurations when none is asked for: the fastest with the
-# shipped head on the CPU fast path (docs/benchmarks.md: bf16, GSM8K-50, chain-3 2.03x and
-# cpu-tiny 2.02x; fp32, GSM8K-10, cpu-tiny 2.29x and chain-3 2.25x), the 8-node tree first.
-DEFAULT_TREE = "cpu-tiny"
-DEFAULT_BENCH_CONFIGS = (f"{DEFAULT_DRAFT}@cpu-tiny", f"{DEFAULT_DRAFT}@chain-3", f"{DEFAULT_DRAFT}@chain-2")
+# generate's tree and bench's configurations when none is asked for: auto, the fastest with
+# the shipped head beside every fixed preset (docs/benchmarks.md, bf16 on packed weights:
+# GSM8K-50 auto 2.21x, cpu-tiny 2.15x, chain-3 2.13x; HumanEval-20 auto 1.80x, chain-4
+# 1.68x, cpu-tiny and chain-3 1.61x), then the two fixed trees fastest on GSM8K.
+DEFAULT_TREE = "auto"
+DEFAULT_BENCH_CONFIGS = (f"{DEFAULT_DRAFT}@auto", f"{DEFAULT_DRAFT}@cpu-tiny", f"{DEFAULT_DRAFT}@chain-3")
 # A GSM8K-style word problem (GSM8K train, first record): the shipped head trained on them.
 DEFAULT_CHAT = (
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips "
@@ -318,7 +319,9 @@ def _add_generate(sub):
     p.add_argument("--draft", default=DEFAULT_DRAFT,
                    help="a shipped head name, an EAGLE head directory, 'ngram', 'layers:K' (the target's first K layers as a draft model) or 'model:NAME_OR_PATH' "
                         "(default: %(default)s)")
-    p.add_argument("--tree", default=DEFAULT_TREE, help="a preset name or a JSON tree file (default: %(default)s, the fastest on a 2-core CPU with the shipped head in bf16 and fp32 on packed weights; see docs/benchmarks.md)")
+    p.add_argument("--tree", default=DEFAULT_TREE, help="a preset name or a JSON tree file (default: %(default)s: each step verifies the tree that "
+                        "pays most from this machine's measured verify costs and the draft's calibrated scores; "
+                        "the fastest beside every fixed preset with the shipped head, docs/benchmarks.md)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="plain text to continue")
     src.add_argument("--chat", help="a user message, wrapped in the model's chat template")
@@ -402,7 +405,7 @@ def _add_bench(sub):
                    help="draft to run (repeatable): a shipped head name, head directory, 'ngram' or "
                         f"'model:NAME' (default: {DEFAULT_DRAFT})")
     p.add_argument("--tree", action="append", default=None,
-                   help="tree to run with each draft (repeatable): preset or JSON file (default: cpu-tiny)")
+                   help=f"tree to run with each draft (repeatable): preset or JSON file (default: {DEFAULT_TREE})")
     p.add_argument("--chain", type=int, default=None, metavar="K",
                    help="also run each draft with a chain of K (default: 3 for ngram, 2 for others; 0: none)")
     p.add_argument("--config", action="append", default=None, metavar="DRAFT@TREE",
@@ -469,7 +472,7 @@ def _bench_pairs(args) -> list[tuple[str, str]]:
     if not (args.draft or args.tree or args.chain is not None):
         return [tuple(c.rsplit("@", 1)) for c in DEFAULT_BENCH_CONFIGS]
     drafts = args.draft or [DEFAULT_DRAFT]
-    trees = args.tree or ["cpu-tiny"]
+    trees = args.tree or [DEFAULT_TREE]
     pairs = []
     for d in drafts:
         k = args.chain if args.chain is not None else (3 if d == "ngram" else 2)
@@ -902,7 +905,8 @@ def _export(args):
 def _add_auto_profile(p):
     p.add_argument("--auto-profile", default=None, metavar="PROFILE.json",
                    help="for the auto tree: start from this profile (cost curve and calibration, from treespec tune) "
-                        "instead of the disk-cached cost curve and the prior calibration")
+                        "instead of the disk-cached cost curve and the draft's own calibration (a head directory's "
+                        "auto-profile.json, else the prior)")
 
 
 def _auto_profile(args):

@@ -376,7 +376,7 @@ def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts, param
     with runner.attached():
         auto = None
         if cfg.auto:
-            profile = auto_profile if auto_profile is not None else AutoProfile()
+            profile = auto_profile if auto_profile is not None else AutoProfile.starting(drafter)
             # The batch's trees are verified in one forward: cover up to B trees (capped).
             profile.prepare(runner, min(B * cfg.max_tree_tokens, max(cfg.max_tree_tokens, 128)))
             auto = AutoController(profile, cfg.num_nodes, cfg.top_k, params.greedy)
@@ -561,7 +561,9 @@ def generate(
                     :class:`~treespec.auto.AutoProfile` (cost curve and calibrations) to decide
                     from and keep learning into; pass the same one to later calls to reuse
                     what it learned. None: a fresh one, its cost curve from the disk cache or
-                    measured (a second or two, once per machine and model). Ignored otherwise.
+                    measured (a second or two, once per machine and model), its calibrations
+                    the draft's own (a head directory's ``auto-profile.json``) or else the
+                    prior. Ignored otherwise.
     Returns:
         :class:`GenerateOutput` with ``sequences`` and ``metrics``.
     """

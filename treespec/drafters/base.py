@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..calibration import Calibration
 from ..config import TreeConfig
 from ..tree import Tree
 
@@ -71,6 +72,9 @@ class Drafter(ABC):
     feature_layers: tuple[int, ...] | None = None
     #: whether trees from this drafter carry sampled (not top-k) drafts with distributions.
     samples: bool = False
+    #: the calibrations (greedy, sampling) an ``auto`` tree starts from when no profile is
+    #: given, e.g. read from a head directory's ``auto-profile.json``; None: the prior.
+    auto_calibration: tuple[Calibration, Calibration] | None = None
 
     def check_compatible(self, model) -> None:
         """Raise ValueError when this drafter cannot draft for ``model``."""

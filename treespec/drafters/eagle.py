@@ -387,7 +387,7 @@ class EagleDrafter(Drafter):
             raise ValueError(f"{path} is an EAGLE-3 checkpoint: use Eagle3Drafter or treespec.load_draft")
         if not head.config.eagle3 and cls is Eagle3Drafter:
             raise ValueError(f"{path} is an EAGLE-1/2 checkpoint: use EagleDrafter or treespec.load_draft")
-        return cls(head, **kw)
+        return _with_calibration(cls(head, **kw), path)
 
     def modules(self):
         return (self.head,)
@@ -423,7 +423,15 @@ def load_draft(path_or_name, target_model, **kw) -> EagleDrafter:
 
     path = resolve_draft(path_or_name)
     head = _head_from_dir(path, target_model)
-    return (Eagle3Drafter if head.config.eagle3 else EagleDrafter)(head, **kw)
+    return _with_calibration((Eagle3Drafter if head.config.eagle3 else EagleDrafter)(head, **kw), path)
+
+
+def _with_calibration(drafter: EagleDrafter, path) -> EagleDrafter:
+    """``auto`` starts from the head's own calibrations when its directory has them."""
+    from ..auto import AutoProfile
+
+    drafter.auto_calibration = AutoProfile.head_calibration(path)
+    return drafter
 
 
 class EagleSession(DraftSession):
