@@ -550,6 +550,19 @@ def test_auto_starts_from_the_heads_own_calibration(monkeypatch, tmp_path):
         treespec.load_draft(tmp_path / "head", model)
 
 
+def test_the_shipped_head_carries_its_calibration():
+    """The shipped head's auto-profile.json: a greedy calibration learned by treespec tune on
+    this pair (its observations), no machine's cost curve."""
+    from treespec.assets import resolve_draft
+
+    path = resolve_draft("smollm2-135m-instruct-eagle")
+    greedy, sampling = AutoProfile.head_calibration(path)
+    assert greedy.num_observed > 1000
+    fitted = greedy.fitted()
+    assert np.all(np.diff(fitted) >= 0) and fitted[-1] > 0.5 > fitted[0]
+    assert AutoProfile.load(path / "auto-profile.json").costs is None
+
+
 # ---- command line ------------------------------------------------------------------------
 
 
