@@ -7,15 +7,12 @@ machine is noise, and the rule must be pinned on known inputs."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import time
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import treespec
 from tiny import save_tiny_lm, tiny_model
@@ -63,59 +60,6 @@ def test_best_size_worked_example():
     # A draft time shared by every n makes the verify cost relatively cheaper: one more node.
     n, _ = best_sizes(np.array([[0.9, 0.5, 0.3]]), MID, 2.0)
     assert n.tolist() == [3]
-
-
-def test_the_achieved_rate_values_each_node_against_the_generation_not_the_step():
-    # MID, p = (0.9, 0.5, 0.3): the step's best ratio is J(2) = 2.4/1.5 = 1.6, and the third
-    # node (p 0.3 for 0.25 more) would lower it to 2.7/1.75 = 1.54, so the ratio rule stops
-    # at 2. A generation achieving R = 1 token per step gains from it (0.3 > 1 * 0.25); one
-    # achieving R = 3 not even from the second (0.5 < 3 * 0.25).
-    probs = np.array([[0.9, 0.5, 0.3]])
-    assert best_sizes(probs, MID, 0.0)[0].tolist() == [2]
-    assert best_sizes(probs, MID, 0.0, rate=1.0)[0].tolist() == [3]
-    assert best_sizes(probs, MID, 0.0, rate=3.0)[0].tolist() == [1]
-    # The draft time is sunk under R: the same choice with or without it.
-    assert best_sizes(probs, MID, 5.0, rate=1.0)[0].tolist() == [3]
-    # Drafting another level pays under R = 1 (p_f 0.3 for 0.25 + no draft time) but not
-    # under the step's ratio (0.3 < 1.6 * 0.25).
-    frontier = np.array([0.3])
-    assert keep_drafting(probs[:, :2], frontier, MID, 0.0, 0.0, max_nodes=8, width=2) is False
-    assert keep_drafting(probs[:, :2], frontier, MID, 0.0, 0.0, max_nodes=8, width=2, rate=1.0) is True
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.floats(0.0, 1.0), min_size=1, max_size=12), st.floats(0.0, 3.0),
-       st.lists(st.floats(0.01, 2.0), min_size=1, max_size=5))
-def test_the_ratio_rule_is_the_rate_rule_at_its_own_best_ratio(probs, draft, slopes):
-    """Dinkelbach: with R = J* (the step's best ratio) every maximiser of E - R T has ratio J*,
-    and no n does better; a lower R never chooses fewer nodes, a higher never more."""
-    probs = -np.sort(-np.array(probs))[None]
-    sizes = np.cumsum([1] + [4] * len(slopes))
-    curve = CostCurve(tuple(sizes), tuple(1.0 + np.concatenate([[0.0], np.cumsum(np.array(slopes) * 4)])))
-    n, J = best_sizes(probs, curve, draft)
-    m, ratio = best_sizes(probs, curve, draft, rate=float(J[0]))
-    assert ratio[0] == pytest.approx(J[0], rel=1e-9)
-    assert best_sizes(probs, curve, draft, rate=0.5 * float(J[0]))[0][0] >= m[0]
-    assert best_sizes(probs, curve, draft, rate=2.0 * float(J[0]))[0][0] <= m[0]
-
-
-def test_controller_measures_the_achieved_rate(monkeypatch):
-    """R: committed tokens over the time from one step's start to the next, averaged, with
-    the verification's wall time replaced by the curve's (R in the curve's units)."""
-    ticks = itertools.count()  # each reading is half a second after the last
-    monkeypatch.setattr("treespec.auto.time.perf_counter", lambda: 0.5 * next(ticks))
-    ctl = AutoController(AutoProfile(costs=MID), 8, 2, greedy=True)  # the clock reads 0.0
-    assert ctl.rate is None
-    tree = example_tree()
-    ctl.begin_step()  # 0.5
-    ctl.learn([tree], [[0, 1, 2]])  # 3 tokens; no choice was made, so no verification to model
-    ctl.begin_step()  # 1.0: 3 tokens in 0.5 s
-    assert ctl.rate == pytest.approx(6.0)
-    (chosen,) = ctl.choose([tree], 0.0)  # 1.5
-    ctl.learn([chosen], [[0]])  # 2.0: 1 token, verified in 0.5 s of wall time
-    ctl.begin_step()  # 2.5: 1.5 s, of which the 0.5 s of verification count as MID(q)
-    modelled = 1.5 - 0.5 + float(MID(np.array([chosen.num_nodes]))[0])
-    assert ctl.rate == pytest.approx((3 + 1) / (0.5 + modelled))  # the mean of both steps
 
 
 def test_flat_curve_picks_the_largest_tree():

@@ -16,38 +16,23 @@ verifies the n in 0..N that maximises
 
 n = 0 (the root alone: no speculation) included.
 
-The long-run rate. What a generation should maximise is its whole rate, tokens over seconds
-summed over steps, not each step's own ratio. By the renewal-reward argument (Dinkelbach's
-for ratios) the steps that maximise it each maximise
-
-    E(n) - R * (t_draft + t_verify(n + 1)),     i.e.  p_(n) is worth its node iff  p_(n) > R * dt,
-
-with R the rate the generation achieves (dt: the verify time the node adds). Maximising the
-step's own ratio J(n) is the same rule with R = J(n*), this step's best: on a confident step
-J(n*) is well above the achieved rate, so the ratio rule asks too much of each extra node and
-stops drafting too early exactly where drafting pays most; on a doubtful step the reverse.
-So once a step has been measured, R is the rate this generation achieved (committed tokens
-over the wall time from one step's start to the next, both averaged, ``RATE_EMA``); before
-that, R = J(n*) (the ratio rule). Iterating R -> the rate of the policy it chooses climbs
-to the best rate (Dinkelbach), so the estimate is stable.
-
-Early stop. After each draft level, with n* the best size so far (J* its ratio) and p_f the
+Early stop. After each draft level, with J* the best rate so far, n* its size and p_f the
 calibrated probability of the best frontier score (no deeper node can beat it), m more
 nodes each worth at most p_f raise the rate only if
 
-    m * p_f > R * (t_level + t_verify(n* + 1 + m) - t_verify(n* + 1))
+    m * p_f > J* * (t_level + t_verify(n* + 1 + m) - t_verify(n* + 1))
 
-for some m >= 1 (R: the achieved rate, or J* before one is measured; t_level: one more
-level's draft time, measured online as the time between two consecutive early-stop
-decisions, so the root's step and the tree's assembly are not counted as levels). When n*
-is the whole budget, deeper nodes can only replace chosen ones, gaining at most
-p_f - p_min each. When no request can gain, drafting stops.
+for some m >= 1 (t_level: one more level's draft time, measured online as the time between
+two consecutive early-stop decisions, so the root's step and the tree's assembly are not
+counted as levels). When n* is the
+whole budget, deeper nodes can only replace chosen ones, gaining at most p_f - p_min each.
+When no request can gain, drafting stops.
 
 Batches: one forward verifies every request's tree (their tokens packed into one row), so
 the batch chooses jointly: the best prefix of the merged order of all requests' nodes by p,
-with B roots, maximising (B + sum of chosen p) - R * (t_draft + t_verify(B + chosen nodes))
-(R: the batch's achieved rate); the early stop asks the same of the batch (p_f: the best
-frontier of any request). For B = 1 both are the rule above.
+with B roots, maximising (B + sum of chosen p) / (t_draft + t_verify(B + chosen nodes)); the
+early stop asks the same of the batch (p_f: the best frontier of any request). For B = 1
+both are the rule above.
 
 Letters: B requests, N drafted nodes, P pool candidates, k top-k.
 """
@@ -74,7 +59,6 @@ __all__ = ["HEAD_PROFILE", "AutoProfile", "AutoController", "choice_order", "bes
 log = logging.getLogger(__name__)
 
 LEVEL_EMA = 0.2  # weight of the newest measurement of one level's draft time
-RATE_EMA = 0.05  # weight of the newest step in the achieved rate (tokens and seconds)
 #: A head directory's ``auto`` profile (written by ``treespec tune --out``): its calibrations
 #: are where ``auto`` starts for that head when no profile is given; its cost curve, measured
 #: on some other machine, is not used.
@@ -92,33 +76,29 @@ def choice_order(tree: Tree) -> np.ndarray:
     return idx[np.lexsort((idx, depth, -scores))]
 
 
-def best_sizes(probs: np.ndarray, costs: CostCurve, draft_seconds, roots: int = 1,
-               rate: float | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """The best n: with ``rate`` (R, the achieved tokens per second) the n maximising
-    ``E(n) - R * T(n)``, else the n maximising the step's own ratio ``J(n) = E(n) / T(n)``;
-    ``E(n) = roots + p_1 + ... + p_n``, ``T(n) = t_draft + t_verify(roots + n)``.
+def best_sizes(probs: np.ndarray, costs: CostCurve, draft_seconds, roots: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """The n maximising ``J(n) = (roots + p_1 + ... + p_n) / (t_draft + t_verify(roots + n))``.
 
     Args:
-        probs:         float ``[Q, N]``: per row, acceptance probabilities in choice order
+        probs:         float ``[R, N]``: per row, acceptance probabilities in choice order
                        (0-padded); rows are independent problems.
         costs:         the verify cost curve.
-        draft_seconds: scalar or ``[Q]``: this step's draft time.
+        draft_seconds: scalar or ``[R]``: this step's draft time.
         roots:         roots verified with the nodes (1 per request of the forward).
-        rate:          the achieved rate R, or None (the ratio rule).
     Returns:
-        ``(n [Q] int, J(n) [Q])``; ties go to the smaller tree.
+        ``(n [R] int, J(n) [R])``; ties go to the smaller tree.
     """
     probs = np.atleast_2d(probs)
-    Q, N = probs.shape
-    E = roots + np.concatenate([np.zeros((Q, 1)), np.cumsum(probs, axis=1)], axis=1)  # [Q, N+1]
+    R, N = probs.shape
+    E = roots + np.concatenate([np.zeros((R, 1)), np.cumsum(probs, axis=1)], axis=1)  # [R, N+1]
     T = np.asarray(draft_seconds, dtype=np.float64).reshape(-1, 1) + costs(roots + np.arange(N + 1))[None]
-    ratio = E / T
-    n = (ratio if rate is None else E - rate * T).argmax(axis=1)
-    return n, ratio[np.arange(Q), n]
+    rate = E / T
+    n = rate.argmax(axis=1)
+    return n, rate[np.arange(R), n]
 
 
 def keep_drafting(probs: np.ndarray, frontier_probs: np.ndarray, costs: CostCurve, draft_seconds: float,
-                  level_seconds: float, max_nodes: int, width: int, rate: float | None = None) -> bool:
+                  level_seconds: float, max_nodes: int, width: int) -> bool:
     """Whether one more draft level could raise the batch's best rate.
 
     Args:
@@ -129,31 +109,28 @@ def keep_drafting(probs: np.ndarray, frontier_probs: np.ndarray, costs: CostCurv
         level_seconds:  estimated time of one more level (t_level).
         max_nodes:      N_max, the most nodes a request's tree may verify.
         width:          top-k: one level adds at most k*k candidates per request.
-        rate:           the achieved rate R (None: this step's best ratio J*).
     """
     probs = np.atleast_2d(probs)[:, :max_nodes]
     B = probs.shape[0]
     flat = -np.sort(-probs.ravel())  # the batch's candidates, best first
-    n, J = (x[0] for x in best_sizes(flat[None], costs, draft_seconds, roots=B, rate=rate))
-    R = J if rate is None else rate
+    n, J = (x[0] for x in best_sizes(flat[None], costs, draft_seconds, roots=B))
     p_f = float(np.max(frontier_probs))
     room = min(B * max_nodes - int(n), B * width * width)
     if room >= 1:
         m = np.arange(1, room + 1)
         extra = (level_seconds + costs(B + n + m) - costs(B + n)) / m
-        return bool(p_f > R * extra.min())
+        return bool(p_f > J * extra.min())
     # A full budget: deeper nodes can only replace the weakest chosen ones.
     swaps = B * min(width * width, max_nodes)
-    return bool(swaps * (p_f - flat[n - 1]) > R * level_seconds)
+    return bool(swaps * (p_f - flat[n - 1]) > J * level_seconds)
 
 
 def choose_trees(trees: Sequence[Tree], calibration: Calibration, costs: CostCurve,
-                 draft_seconds: float, rate: float | None = None) -> list[Tree]:
+                 draft_seconds: float) -> list[Tree]:
     """Each tree cut to a prefix of its choice order, the prefixes chosen jointly: the step's
     forward verifies every request's tokens at once, so the batch maximises
-    ``(B + sum of chosen p) - R * (t_draft + t_verify(B + chosen nodes))`` (``rate`` R; None:
-    the ratio of the two). For one request this is the rule above. Trees without scores are
-    verified whole."""
+    ``(B + sum of chosen p) / (t_draft + t_verify(B + chosen nodes))``. For one request
+    this is the rule above. Trees without scores are verified whole."""
     fixed = sum(t.num_drafted for t in trees if t.scores is None)
     orders, probs, owner = [], [], []
     for b, t in enumerate(trees):
@@ -165,7 +142,7 @@ def choose_trees(trees: Sequence[Tree], calibration: Calibration, costs: CostCur
     # Within a request p never increases along its order, and the sort is stable: every
     # prefix of the merged order is a prefix of each request's order.
     merged = np.argsort(-p, kind="stable")
-    n = int(best_sizes(p[merged][None], costs, draft_seconds, roots=len(trees) + fixed, rate=rate)[0][0])
+    n = int(best_sizes(p[merged][None], costs, draft_seconds, roots=len(trees) + fixed)[0][0])
     counts = np.bincount(owner[merged[:n]], minlength=len(trees))
     out = []
     for t, order, k in zip(trees, orders, counts.tolist()):
@@ -174,10 +151,9 @@ def choose_trees(trees: Sequence[Tree], calibration: Calibration, costs: CostCur
     return out
 
 
-def choose_tree(tree: Tree, calibration: Calibration, costs: CostCurve, draft_seconds: float,
-                rate: float | None = None) -> Tree:
+def choose_tree(tree: Tree, calibration: Calibration, costs: CostCurve, draft_seconds: float) -> Tree:
     """One request's tree: the best prefix of its choice order."""
-    return choose_trees([tree], calibration, costs, draft_seconds, rate)[0]
+    return choose_trees([tree], calibration, costs, draft_seconds)[0]
 
 
 # ---- the profile: what is measured and learned ----------------------------------------------
@@ -301,14 +277,6 @@ class AutoController:
 
     Per step: ``begin_step()`` before ``propose``; ``choose(trees, propose_seconds)``
     after it; ``learn(trees, verdicts)`` after verification.
-
-    The achieved rate R is this generation's own: a step's tokens are those it committed, its
-    seconds the wall time from its ``begin_step`` to the next one (drafting, verification,
-    the draft's update and the engine's bookkeeping) with the verification's wall time
-    (``choose`` to ``learn``) replaced by the cost curve's t_verify of the tokens verified, so
-    that R is in the curve's units even where the curve is off in scale (measured on a
-    quieter or busier machine); tokens and seconds are averaged with weight
-    ``max(1/steps, RATE_EMA)`` (a plain mean over the first steps).
     """
 
     def __init__(self, profile: AutoProfile, max_nodes: int, top_k: int, greedy: bool):
@@ -318,26 +286,9 @@ class AutoController:
         self.calibration = profile.calibration(greedy)
         self._t0 = time.perf_counter()
         self._last_stop: float | None = None  # when this step's last "keep drafting" was said
-        self._committed: int | None = None  # tokens the step begun at _t0 committed, once known
-        self._verify = (0.0, 0.0)  # this step's (verify wall time, curve's t_verify), once known
-        self._chosen: tuple[float, int] | None = None  # when choose() ended, tokens to verify
-        self._steps, self._tokens, self._seconds = 0, 0.0, 0.0
-
-    @property
-    def rate(self) -> float | None:
-        """The achieved rate R (tokens per second), None before a step has been measured."""
-        return self._tokens / self._seconds if self._steps and self._seconds > 0 else None
 
     def begin_step(self) -> None:
-        now = time.perf_counter()
-        if self._committed is not None:
-            self._steps += 1
-            w = max(1.0 / self._steps, RATE_EMA)
-            wall, modelled = self._verify
-            self._tokens = (1 - w) * self._tokens + w * self._committed
-            self._seconds = (1 - w) * self._seconds + w * max(now - self._t0 - wall + modelled, 1e-9)
-        self._t0 = now
-        self._committed, self._chosen, self._verify = None, None, (0.0, 0.0)
+        self._t0 = time.perf_counter()
         self._last_stop = None
 
     def stop(self, depth: int, frontier_scores: torch.Tensor, pool_scores: torch.Tensor) -> bool:
@@ -358,22 +309,15 @@ class AutoController:
         p_f = self.calibration(frontier_scores.detach().float().cpu().numpy().max(axis=1))
         # Unmeasured yet: assume a level is free, so the next step drafts one and measures it.
         go = keep_drafting(probs, p_f, self.profile.costs, now - self._t0, self.profile.level_seconds or 0.0,
-                           self.max_nodes, self.top_k, self.rate)
+                           self.max_nodes, self.top_k)
         self._last_stop = now if go else None
         return not go
 
     def choose(self, trees: Sequence[Tree], propose_seconds: float) -> list[Tree]:
-        chosen = choose_trees(trees, self.calibration, self.profile.costs, propose_seconds, self.rate)
-        self._chosen = (time.perf_counter(), sum(t.num_nodes for t in chosen))
-        return chosen
+        return choose_trees(trees, self.calibration, self.profile.costs, propose_seconds)
 
     def learn(self, trees: Sequence[Tree], paths: Sequence[Sequence[int]]) -> None:
-        """Each verified drafted node is accepted iff it lies on its request's committed path;
-        the step committed every path (root and accepted nodes: the bonus token's count)."""
-        self._committed = sum(len(path) for path in paths)
-        if self._chosen is not None:
-            t, q = self._chosen
-            self._verify = (time.perf_counter() - t, float(self.profile.costs(np.array([q]))[0]))
+        """Each verified drafted node is accepted iff it lies on its request's committed path."""
         scores, accepted = [], []
         for t, path in zip(trees, paths):
             if t.num_drafted == 0 or t.scores is None:
