@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Issue 9's figures: `auto` beside every fixed preset (chain-1..4, cpu-tiny, cpu, eagle2) with
 # the shipped head, greedy on GSM8K test (first 50) and HumanEval (first 20), then
-# temperature 1 on GSM8K test (first 10), and prompt lookup where it finds little (chat prompts
-# sampled at temperature 1: text without repeats) beside treespec without a draft. bf16, packed weights, 256 new tokens, on a quiet
-# machine (nothing else on the cores). Each step writes its JSON/TXT under
+# temperature 1 on GSM8K test (first 10), and prompt lookup where it finds little (chat
+# prompts sampled at temperature 1: text without repeats) beside treespec without a draft.
+# bf16, packed weights, 256 new tokens, on a quiet machine (nothing else on the cores).
+# TREES narrows the trees run, TAG renames the outputs. Each step writes its JSON/TXT under
 # benchmarks/results/ and is skipped when that file exists: rerun to resume.
 #
 #   bash benchmarks/auto_figures.sh 2>&1 | tee /tmp/auto_figures.log

@@ -319,7 +319,8 @@ def _add_generate(sub):
     p.add_argument("--draft", default=DEFAULT_DRAFT,
                    help="a shipped head name, an EAGLE head directory, 'ngram', 'layers:K' (the target's first K layers as a draft model) or 'model:NAME_OR_PATH' "
                         "(default: %(default)s)")
-    p.add_argument("--tree", default=DEFAULT_TREE, help="a preset name or a JSON tree file (default: %(default)s: each step verifies the tree that "
+    p.add_argument("--tree", default=DEFAULT_TREE,
+                   help="a preset name or a JSON tree file (default: %(default)s: each step verifies the tree that "
                         "pays most from this machine's measured verify costs and the draft's calibrated scores; "
                         "the fastest beside every fixed preset with the shipped head, docs/benchmarks.md)")
     src = p.add_mutually_exclusive_group()
