@@ -239,3 +239,39 @@ def test_cpu_cache_keeps_half_precision_kv_in_fp32_with_identical_logits(dtype):
             out = runner.forward(cache, [seq], [tree.tokens], [tree.position_ids(9)], [tree.attention_mask()])
         logits[kept] = torch.cat([pre.logits[0], out.logits[0]])
     assert torch.equal(logits[None], logits[dtype])
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(prefixes=st.lists(st.integers(0, 13), min_size=2, max_size=5),
+       masks=st.lists(local_mask(), min_size=5, max_size=5),
+       active=st.lists(st.booleans(), min_size=5, max_size=5),
+       page_size=st.sampled_from([1, 4, 5]),
+       window=st.sampled_from([None, 3]),
+       seed=st.integers(0, 1000))
+def test_block_view_attends_like_the_gather(prefixes, masks, active, page_size, window, seed):
+    """Requests in rows of one block (add_sequences) are read as a view of the cache, over
+    every row between the batch's first and last, finished rows included: the outputs must be
+    those of the page-by-page gather, for any subset of the rows."""
+    B = len(prefixes)
+    masks = masks[:B]
+    rows = [b for b in range(B) if active[b]] or [0]
+    g = torch.Generator().manual_seed(seed)
+    longest = max(L + m.shape[1] for L, (m, _) in zip(prefixes, masks))
+    cache = PagedKVCache(1, 2, 4, B * (-(-longest // page_size) + 1), page_size)
+    seqs = cache.add_sequences(B, longest)
+    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=g))
+    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=g))
+    for s, L in zip(seqs, prefixes):
+        cache.reserve(s, L)
+        cache.commit(s, torch.arange(L))
+    pick = [seqs[b] for b in rows]
+    args = (pick, [prefixes[b] for b in rows], [masks[b][0] for b in rows],
+            [prefixes[b] + masks[b][1] for b in rows], TorchBackend())
+    view = make_batch(cache, *args)
+    assert (view.plan.view is not None) == (len(rows) > 1)  # one request reads a slice anyway
+    q = torch.randn(sum(masks[b][0].shape[0] for b in rows), 4, 4, generator=g)
+    out = view.backend.run(view, 0, q, 0.5, window)
+    cache._block = None  # the same cache, read by gathering
+    gather = make_batch(cache, *args)
+    assert gather.plan.view is None
+    torch.testing.assert_close(out, gather.backend.run(gather, 0, q, 0.5, window), rtol=1e-5, atol=1e-6)

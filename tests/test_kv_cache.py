@@ -261,3 +261,51 @@ def test_bad_dimensions():
         PagedKVCache(1, 1, 2, num_pages=0)
     with pytest.raises(ValueError):
         PagedKVCache(1, 1, 2, num_pages=2, page_size=0)
+
+
+# ---- a block of rows (add_sequences) --------------------------------------------------------
+
+def test_block_rows_are_consecutive_pinned_and_released():
+    cache = PagedKVCache(1, 1, 2, num_pages=12, page_size=4)
+    other = cache.add_sequence()
+    cache.reserve(other, 4)  # page 0 taken first: the block starts after it
+    seqs = cache.add_sequences(3, 7)  # 2 pages per row
+    first, stride, rows = cache.block_rows(seqs, 8)
+    assert (stride, rows) == (8, [0, 1, 2])
+    for i, s in enumerate(seqs):
+        table = cache.page_tables[s]
+        assert table == list(range(table[0], table[0] + 2))
+        assert cache.slots(s, torch.arange(8)).tolist() == list(range(first + i * stride, first + (i + 1) * stride))
+    assert cache.block_rows(seqs, 9) is None  # longer than a row
+    assert cache.block_rows(seqs + [other], 4) is None  # a sequence outside the block
+    # Commits and truncation keep a row's pages; growing past it takes pool pages.
+    s = seqs[1]
+    table = list(cache.page_tables[s])
+    cache.reserve(s, 3)
+    cache.commit(s, torch.arange(3))
+    cache.truncate(s, 0)
+    assert cache.page_tables[s] == table and cache.free_tokens == 4 * (12 - 1 - 6)
+    cache.reserve(s, 11)
+    assert cache.page_tables[s][:2] == table and len(cache.page_tables[s]) == 3
+    cache.truncate(s, 0)
+    assert cache.page_tables[s] == table
+    cache.free_sequence(s)
+    assert cache.page_tables[s] == [] and cache.block_rows([s], 1) is None
+    assert cache.block_rows([seqs[0], seqs[2]], 8)[2] == [0, 2]
+    assert cache.free_tokens == 4 * (12 - 1 - 4)
+    with pytest.raises(ValueError, match="one add_sequences per cache"):
+        cache.add_sequences(1, 4)
+
+
+def test_block_needs_consecutive_free_pages():
+    cache = PagedKVCache(1, 1, 2, num_pages=6, page_size=4)
+    cache._free = [5, 3, 1, 4, 2, 0]  # every page free, in a scrambled order
+    a = cache.add_sequence()
+    cache.reserve(a, 4)  # takes page 0
+    b = cache.add_sequence()
+    cache.reserve(b, 4)  # takes page 2: the longest run left is 3, 4, 5
+    with pytest.raises(CacheFullError, match="consecutive"):
+        cache.add_sequences(2, 8)
+    assert cache.free_tokens == 16  # nothing taken
+    seqs = cache.add_sequences(3, 4)
+    assert [cache.page_tables[s] for s in seqs] == [[3], [4], [5]]

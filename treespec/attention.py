@@ -113,16 +113,25 @@ class AttentionBackend:
 
 @dataclass
 class TorchPlan:
-    gather_slots: torch.Tensor | slice  # int64 [B, kv_max], padded with slot 0; a slice when B = 1 and consecutive
-    mask: torch.Tensor  # bool [B, 1, n_max, kv_max]
-    q_index: torch.Tensor  # int64 [T]: packed token -> b * n_max + i
+    gather_slots: torch.Tensor | slice | None  # int64 [B, kv_max], padded with slot 0; a slice when B = 1 and
+    # consecutive; None when K/V are read as a view of the cache's block (``view``)
+    mask: torch.Tensor  # bool [R, 1, n_max, kv_max]: R rows of attention, one per request (or block row)
+    q_index: torch.Tensor  # int64 [T]: packed token -> row * n_max + i
     n_max: int
-    query_pos: torch.Tensor  # int64 [B, n_max, 1]
-    key_pos: torch.Tensor  # int64 [B, 1, kv_max]
+    query_pos: torch.Tensor  # int64 [R, n_max, 1]
+    key_pos: torch.Tensor  # int64 [R, 1, kv_max]
+    view: tuple[int, int] | None = None  # (flat slot of the first row, slots per row)
 
 
 class TorchBackend(AttentionBackend):
-    """Reference backend: gather each request's pages, mask densely, call SDPA."""
+    """Reference backend: read each request's K/V, mask densely, call SDPA.
+
+    K/V are read as a view where the layout allows it (one request in consecutive slots, or a
+    batch of requests in rows of :meth:`~treespec.kv_cache.PagedKVCache.add_sequences`'s
+    block), else gathered page by page. In the block case the attention runs over every row
+    between the batch's first and last (rows of finished requests attend to one stale key
+    and are dropped): SDPA over a row costs far less than gathering one.
+    """
 
     name = "torch"
 
@@ -131,36 +140,48 @@ class TorchBackend(AttentionBackend):
         B = len(batch.seqs)
         n = [m.shape[0] for m in batch.local_masks]
         n_max, kv_max = max(n), int(batch.kv_lens.max())
-        gather = torch.zeros(B, kv_max, dtype=torch.int64, device=cache.device)
-        mask = torch.zeros(B, n_max, kv_max, dtype=torch.bool)
-        qpos = torch.zeros(B, n_max, dtype=torch.int64)
-        kpos = torch.zeros(B, kv_max, dtype=torch.int64)
+        block = cache.block_rows(batch.seqs, kv_max) if B > 1 else None
+        if block is not None:
+            first, stride, rows = block
+            lo = min(rows)
+            rows = [r - lo for r in rows]
+            R, gather, view = max(rows) + 1, None, (first + lo * stride, stride)
+        else:
+            rows, R, view = list(range(B)), B, None
+            gather = torch.zeros(B, kv_max, dtype=torch.int64, device=cache.device)
+        mask = torch.zeros(R, n_max, kv_max, dtype=torch.bool)
+        qpos = torch.zeros(R, n_max, dtype=torch.int64)
+        kpos = torch.zeros(R, kv_max, dtype=torch.int64)
         q_index = []
         for b, (seq, L, m) in enumerate(zip(batch.seqs, batch.prefix_lens.tolist(), batch.local_masks)):
-            kv = int(batch.kv_lens[b])
-            gather[b, :kv] = cache.span(seq, 0, kv)
-            mask[b, : n[b], :L] = True
-            mask[b, : n[b], L:kv] = m
-            mask[b, n[b] :, 0] = True  # padding rows: avoid an all-masked softmax
+            kv, r = int(batch.kv_lens[b]), rows[b]
+            if gather is not None:
+                gather[b, :kv] = cache.span(seq, 0, kv)
+            mask[r, : n[b], :L] = True
+            mask[r, : n[b], L:kv] = m
             kp = batch.key_positions[b].to(torch.int64)
-            kpos[b, :L] = torch.arange(L)
-            kpos[b, L:kv] = kp
-            qpos[b, : n[b]] = kp[kp.numel() - n[b] :]
-            q_index.append(b * n_max + torch.arange(n[b]))
+            kpos[r, :L] = torch.arange(L)
+            kpos[r, L:kv] = kp
+            qpos[r, : n[b]] = kp[kp.numel() - n[b] :]
+            q_index.append(r * n_max + torch.arange(n[b]))
+        mask[..., 0] |= ~mask.any(-1)  # padding rows (and rows of no request): avoid an all-masked softmax
         dev = cache.device
-        span = as_slice(gather[0]) if B == 1 and dev.type == "cpu" else None
+        if B == 1 and dev.type == "cpu":
+            span = as_slice(gather[0])
+            gather = span if isinstance(span, slice) else gather
         return TorchPlan(
-            gather_slots=span if isinstance(span, slice) else gather,
+            gather_slots=gather,
             mask=mask[:, None].to(dev),
             q_index=torch.cat(q_index).to(dev),
             n_max=n_max,
             query_pos=qpos[:, :, None].to(dev),
             key_pos=kpos[:, None, :].to(dev),
+            view=view,
         )
 
     def run(self, batch, layer, q, scaling, sliding_window=None):
         p: TorchPlan = batch.plan
-        B = len(batch.seqs)
+        B, R = len(batch.seqs), p.mask.shape[0]
         T, H, D = q.shape
         # On a CPU, SDPA in fp32 is faster than in bf16/fp16 (measured 49 vs 188 us for one
         # query over 200 keys, AMD EPYC) and rounds less; the inputs are small to cast.
@@ -168,12 +189,20 @@ class TorchBackend(AttentionBackend):
         if B == 1:  # one request: its tokens are already the padded batch
             qp = q.to(dtype).transpose(0, 1)[None]  # [1, H, T, D]
         else:
-            qp = q.new_zeros(B * p.n_max, H, D, dtype=dtype)
+            qp = q.new_zeros(R * p.n_max, H, D, dtype=dtype)
             qp[p.q_index] = q.to(dtype)
-            qp = qp.view(B, p.n_max, H, D).transpose(1, 2)  # [B, H, n_max, D]
-        k, v = batch.cache.gather(layer, p.gather_slots)  # [B, kv_max, Hkv, D]
-        if isinstance(p.gather_slots, slice):
-            k, v = k[None], v[None]
+            qp = qp.view(R, p.n_max, H, D).transpose(1, 2)  # [R, H, n_max, D]
+        if p.view is not None:
+            first, stride = p.view
+            fk, fv = batch.cache.flat(layer)
+            rows = slice(first, first + R * stride)
+            kv_max = p.mask.shape[-1]
+            k = fk[rows].view(R, stride, *fk.shape[1:])[:, :kv_max]  # [R, kv_max, Hkv, D], a view
+            v = fv[rows].view(R, stride, *fv.shape[1:])[:, :kv_max]
+        else:
+            k, v = batch.cache.gather(layer, p.gather_slots)  # [B, kv_max, Hkv, D]
+            if isinstance(p.gather_slots, slice):
+                k, v = k[None], v[None]
         k, v = k.transpose(1, 2).to(dtype), v.transpose(1, 2).to(dtype)
         mask = p.mask
         if sliding_window is not None:
@@ -184,10 +213,10 @@ class TorchBackend(AttentionBackend):
             mask[..., 0] |= ~mask.any(-1)  # rows left empty are padding-only
         out = F.scaled_dot_product_attention(
             qp, k, v, attn_mask=mask, scale=scaling, enable_gqa=k.shape[1] != H
-        ).to(q.dtype)  # [B, H, n_max, D]
+        ).to(q.dtype)  # [R, H, n_max, D]
         if B == 1:
             return out[0].transpose(0, 1)  # [T, H, D]
-        out = out.transpose(1, 2).reshape(B * p.n_max, H, D)
+        out = out.transpose(1, 2).reshape(R * p.n_max, H, D)
         return out[p.q_index]
 
 

@@ -381,8 +381,11 @@ def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts, param
             profile.prepare(runner, min(B * cfg.max_tree_tokens, max(cfg.max_tree_tokens, 128)))
             auto = AutoController(profile, cfg.num_nodes, cfg.top_k, params.greedy)
         t_start = time.perf_counter()
-        cache = runner.new_cache([len(p) + max_new + cfg.max_tree_tokens for p in prompts], page_size)
-        seqs = [cache.add_sequence() for _ in prompts]
+        # One row of the cache per request, each long enough for the longest: a batch's K/V
+        # are then read as a view of the cache, not gathered (PagedKVCache.add_sequences).
+        longest = max(len(p) for p in prompts) + max_new + cfg.max_tree_tokens
+        cache = runner.new_cache([longest] * B, page_size)
+        seqs = cache.add_sequences(B, longest)
         needs_features = bool(runner.feature_layers)
 
         # ---- prefill: the whole prompt; its last logits give the first token ----

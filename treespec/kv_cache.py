@@ -60,18 +60,67 @@ class PagedKVCache:
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low pages first
         self.page_tables: list[list[int]] = []
         self.seq_lens: list[int] = []
+        self._pinned: list[int] = []  # per sequence: leading pages kept until free_sequence
+        self._block: tuple[int, int] | None = None  # add_sequences: (first flat slot, slots per row)
+        self._row: dict[int, int] = {}  # sequence -> its row of the block
 
     # ---- sequences ----------------------------------------------------------------------
 
     def add_sequence(self) -> int:
         self.page_tables.append([])
         self.seq_lens.append(0)
+        self._pinned.append(0)
         return len(self.seq_lens) - 1
+
+    def add_sequences(self, count: int, tokens: int) -> list[int]:
+        """``count`` new sequences whose first ``tokens`` positions lie in one block of
+        consecutive pages, one equal row per sequence: sequence ``i``'s position ``p`` is the
+        flat slot ``first + i * stride + p``. A backend can then read a batch's K/V as one
+        strided view where it would otherwise gather them (``[32, 300, 3, 64]`` fp32 K and V:
+        2.7 ms of gathering per layer, AMD EPYC, 2 threads). The rows stay reserved until
+        :meth:`free_sequence`; a sequence that outgrows its row takes pages from the pool as
+        usual and is gathered from then on. One block per cache."""
+        if self._block is not None:
+            raise ValueError("this cache already holds a block of rows (one add_sequences per cache)")
+        pages = max(1, -(-int(tokens) // self.page_size))
+        need = count * pages
+        free = sorted(self._free)
+        start = next((free[i] for i in range(len(free) - need + 1) if free[i + need - 1] - free[i] == need - 1),
+                     None) if need else 0
+        if start is None:
+            raise CacheFullError(
+                f"KV cache: no {need} consecutive free pages for {count} sequences of {tokens} tokens "
+                f"({len(self._free)} pages free)"
+            )
+        taken = set(range(start, start + need))
+        self._free = [p for p in self._free if p not in taken]
+        seqs = []
+        for i in range(count):
+            seq = self.add_sequence()
+            self.page_tables[seq] = list(range(start + i * pages, start + (i + 1) * pages))
+            self._pinned[seq] = pages
+            self._row[seq] = i
+            seqs.append(seq)
+        self._block = (start * self.page_size, pages * self.page_size)
+        return seqs
+
+    def block_rows(self, seqs, length: int) -> tuple[int, int, list[int]] | None:
+        """``(first slot, stride, rows)``: where sequences ``seqs`` hold their first ``length``
+        positions in the block of :meth:`add_sequences` (position ``p`` of ``seqs[b]`` is the
+        flat slot ``first + rows[b] * stride + p``); None when one of them does not."""
+        if self._block is None or length > self._block[1]:
+            return None
+        rows = [self._row.get(s) for s in seqs]
+        if any(r is None for r in rows):
+            return None
+        return self._block[0], self._block[1], rows
 
     def free_sequence(self, seq: int) -> None:
         self._free.extend(reversed(self.page_tables[seq]))
         self.page_tables[seq] = []
         self.seq_lens[seq] = 0
+        self._pinned[seq] = 0
+        self._row.pop(seq, None)
 
     @property
     def free_tokens(self) -> int:
@@ -143,9 +192,10 @@ class PagedKVCache:
         self.truncate(seq, new_len)
 
     def truncate(self, seq: int, length: int) -> None:
-        """Drop positions ``>= length`` and give back pages no longer needed."""
+        """Drop positions ``>= length`` and give back pages no longer needed (a block row's
+        pages stay)."""
         self.seq_lens[seq] = min(self.seq_lens[seq], length)
-        keep_pages = -(-self.seq_lens[seq] // self.page_size)
+        keep_pages = max(-(-self.seq_lens[seq] // self.page_size), self._pinned[seq])
         table = self.page_tables[seq]
         while len(table) > keep_pages:
             self._free.append(table.pop())

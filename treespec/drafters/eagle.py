@@ -444,11 +444,11 @@ class EagleSession(DraftSession):
         self.cfg = ctx.tree_cfg
         self.stop = ctx.stop
         room = ctx.tree_cfg.depth * ctx.tree_cfg.top_k + ctx.tree_cfg.num_nodes + 2
-        sizes = [len(pr) + ctx.max_new_tokens + room for pr in ctx.prompts]
-        ps = drafter.page_size
-        self.cache = PagedKVCache(1, c.num_kv_heads, c.head_dim, sum(-(-n // ps) + 1 for n in sizes), ps,
+        longest = max(len(pr) for pr in ctx.prompts) + ctx.max_new_tokens + room
+        ps, B = drafter.page_size, len(ctx.prompts)
+        self.cache = PagedKVCache(1, c.num_kv_heads, c.head_dim, B * (-(-longest // ps) + 1), ps,
                                   kv_dtype(self.dtype, self.device), self.device)
-        self.seq = [self.cache.add_sequence() for _ in ctx.prompts]
+        self.seq = self.cache.add_sequences(B, longest)
         self.root_logp: dict[int, torch.Tensor] = {}
         self.root_state: dict[int, torch.Tensor] = {}
         tokens = [pr[1:] + [t] for pr, t in zip(ctx.prompts, ctx.first_tokens)]

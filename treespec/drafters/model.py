@@ -63,10 +63,9 @@ class ModelDraftSession(DraftSession):
         self.cfg = ctx.tree_cfg
         self.stop = ctx.stop
         room = ctx.tree_cfg.depth * ctx.tree_cfg.top_k + ctx.tree_cfg.num_nodes + 2
-        self.cache = self.runner.new_cache(
-            [len(p) + ctx.max_new_tokens + room for p in ctx.prompts], drafter.page_size
-        )
-        self.seq = [self.cache.add_sequence() for _ in ctx.prompts]
+        longest = max(len(p) for p in ctx.prompts) + ctx.max_new_tokens + room
+        self.cache = self.runner.new_cache([longest] * len(ctx.prompts), drafter.page_size)
+        self.seq = self.cache.add_sequences(len(ctx.prompts), longest)
         self.pending = [[t] for t in ctx.first_tokens]  # committed, not yet in the draft cache
         with self.runner.attached():
             self._run_causal(list(range(len(ctx.prompts))), [list(p) for p in ctx.prompts], logits=False)
