@@ -87,6 +87,33 @@ def test_request_independent_of_its_batch(drafter, tree):
     assert by_int[:2] == batch[:2] and by_int[2] != batch[2]
 
 
+@pytest.mark.parametrize("drafter,tree", [("model", "cpu-tiny"), ("ngram", "chain-3")])
+def test_temperature_per_request(drafter, tree):
+    """One temperature per request: each request of a mixed batch (greedy and two
+    temperatures) equals itself decoded alone with its own temperature and seed."""
+    model = soft_model()
+    draft = ModelDrafter(twin()) if drafter == "model" else NgramDrafter()
+    temps, seeds = [0.0, 0.7, 1.3], [5, 6, 7]
+    batch = sample(model, draft, seed=seeds, tree=tree, temperature=temps, top_k=20)
+    for p, t, s, got in zip(PROMPTS, temps, seeds, batch):
+        kw = dict(temperature=t, top_k=20) if t > 0 else dict(temperature=0.0)
+        assert sample(model, draft, seed=s, prompts=[p], tree=tree, **kw) == [got]
+    greedy = treespec.generate(model, NgramDrafter(), "chain-1", PROMPTS[:1], max_new_tokens=8).sequences
+    assert batch[0] == greedy[0]
+
+
+def test_temperature_per_request_errors():
+    model = soft_model()
+    with pytest.raises(ValueError, match="2 values for 3 requests"):
+        sample(model, NgramDrafter(), seed=1, temperature=[0.5, 1.0])
+    with pytest.raises(ValueError, match="temperature must be a finite number"):
+        sample(model, NgramDrafter(), seed=1, temperature=[0.5, -1.0, 0.0])
+    with pytest.raises(ValueError, match="apply to sampling"):
+        sample(model, NgramDrafter(), seed=1, temperature=[0.0, 0.0, 0.0], top_p=0.9)
+    with pytest.raises(ValueError, match="one decoding mode"):
+        sample(model, NgramDrafter(), seed=1, temperature=[0.0, 1.0, 1.0], tree="auto")
+
+
 def test_seed_does_not_change_greedy():
     model = soft_model()
     a = treespec.generate(model, NgramDrafter(), "cpu", PROMPTS, max_new_tokens=8, seed=1).sequences

@@ -816,7 +816,8 @@ def _add_capture(sub):
     p.add_argument("--sample-temperature", type=float, default=0.8)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--max-length", type=int, default=512, help="prompt + answer tokens")
-    p.add_argument("--batch-size", type=int, default=32, help="requests decoded together (keep it when resuming)")
+    p.add_argument("--batch-size", type=int, default=64,
+                   help="requests decoded together, greedy and sampled alike (free to change when resuming)")
     p.add_argument("--shard-size", type=int, default=64, help="conversations per shard file")
     p.add_argument("--features", choices=["both", "eagle3", "eagle1"], default="both",
                    help="features kept: both layouts (default, trains either) or one")

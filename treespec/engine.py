@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import logging
+import numbers
 import operator
 import time
 from dataclasses import dataclass, field
@@ -252,6 +253,21 @@ def _generators(seed, n: int, device) -> list[torch.Generator | None]:
     return gens
 
 
+def _sampling_params(temperature, top_k, top_p, min_p, n: int) -> list[SamplingParams]:
+    """One :class:`SamplingParams` per request. ``temperature`` is one number for the batch or
+    one per request; a request at 0 decodes greedily, and top_k/top_p/min_p apply to the
+    sampled requests (with none sampled, setting them is an error, as for one request)."""
+    if isinstance(temperature, numbers.Real):
+        return [SamplingParams(temperature, top_k, top_p, min_p)] * n
+    temps = list(temperature)
+    if len(temps) != n:
+        raise ValueError(f"temperature gives {len(temps)} values for {n} requests: give one number or one per request")
+    if not any(isinstance(t, numbers.Real) and t > 0 for t in temps):
+        SamplingParams(0.0, top_k, top_p, min_p)  # all greedy: refuses sampling options
+    return [SamplingParams(t, top_k, top_p, min_p) if isinstance(t, numbers.Real) and t > 0 else SamplingParams(t)
+            for t in temps]
+
+
 def stream(
     model,
     draft,
@@ -259,7 +275,7 @@ def stream(
     input_ids,
     *,
     max_new_tokens: int = 128,
-    temperature: float = 0.0,
+    temperature: float | Sequence[float] = 0.0,
     top_k: int | None = None,
     top_p: float | None = None,
     min_p: float | None = None,
@@ -295,7 +311,6 @@ def stream(
         raise TypeError(f"unexpected keyword argument {name!r}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    params = SamplingParams(temperature, top_k, top_p, min_p)
     cfg = TreeConfig.preset(tree_cfg) if isinstance(tree_cfg, str) else tree_cfg
     if not isinstance(cfg, TreeConfig):
         raise ValueError(f"tree_cfg must be a TreeConfig or a preset name, got {type(tree_cfg).__name__}")
@@ -303,6 +318,12 @@ def stream(
     prompts, _ = _prompts(input_ids)
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
+    params = _sampling_params(temperature, top_k, top_p, min_p, len(prompts))
+    if cfg.auto and len({p.greedy for p in params}) > 1:
+        raise ValueError(
+            "an auto tree calibrates greedy and sampled acceptance separately: give one batch one "
+            "decoding mode (all temperatures 0 or all > 0), or use a fixed tree"
+        )
     drafter.check_compatible(model)
     runner = ModelRunner(model, attention_backend, feature_layers=drafter.features_for(model))
     vocab = runner.vocab_size
@@ -379,7 +400,7 @@ def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts, param
             profile = auto_profile if auto_profile is not None else AutoProfile.starting(drafter)
             # The batch's trees are verified in one forward: cover up to B trees (capped).
             profile.prepare(runner, min(B * cfg.max_tree_tokens, max(cfg.max_tree_tokens, 128)))
-            auto = AutoController(profile, cfg.num_nodes, cfg.top_k, params.greedy)
+            auto = AutoController(profile, cfg.num_nodes, cfg.top_k, params[0].greedy)
         t_start = time.perf_counter()
         # One row of the cache per request, each long enough for the longest: a batch's K/V
         # are then read as a view of the cache, not gathered (PagedKVCache.add_sequences).
@@ -397,7 +418,7 @@ def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts, param
         )
         for s, p in zip(seqs, prompts):
             cache.commit(s, torch.arange(len(p)))
-        first = [_pick(out.logits[b][0], params, gens[b]) for b in range(B)]
+        first = [_pick(out.logits[b][0], params[b], gens[b]) for b in range(B)]
         metrics.prefill_seconds = time.perf_counter() - t0
         generated = [[t] for t in first]
         done = [t in eos or max_new == 1 for t in first]
@@ -456,7 +477,7 @@ def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts, param
                 [t.position_ids(L) for t, L in zip(trees, committed_len)],
                 [t.attention_mask() for t in trees], capture=needs_features,
             )
-            verdicts = _verify(trees, out.logits, params, [gens[b] for b in active])
+            verdicts = _verify(trees, out.logits, [params[b] for b in active], [gens[b] for b in active])
             commit_tokens, commit_feats = [], []
             step_tokens = [[] for _ in range(B)]
             for i, (b, v) in enumerate(zip(active, verdicts)):
@@ -502,7 +523,20 @@ def _pick(logits: torch.Tensor, params: SamplingParams, gen) -> int:
     return int(torch.multinomial(probs, 1, generator=gen))
 
 
-def _verify(trees: list[Tree], logits: list[torch.Tensor], params: SamplingParams, gens) -> list[Verdict]:
+def _verify(trees: list[Tree], logits: list[torch.Tensor], params: Sequence[SamplingParams], gens) -> list[Verdict]:
+    """Each request's verdict under its own sampling parameters (requests that share them are
+    verified together)."""
+    groups: dict[SamplingParams, list[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault(p, []).append(i)
+    out: list[Verdict | None] = [None] * len(trees)
+    for p, idx in groups.items():
+        for i, v in zip(idx, _verify_group([trees[i] for i in idx], [logits[i] for i in idx], p, [gens[i] for i in idx])):
+            out[i] = v
+    return out
+
+
+def _verify_group(trees: list[Tree], logits: list[torch.Tensor], params: SamplingParams, gens) -> list[Verdict]:
     n = max(t.num_nodes for t in trees)
     if params.greedy:  # argmax in the logits' own dtype: widening to fp32 is exact, so it picks the same
         argmax = torch.zeros(len(trees), n, dtype=torch.int64, device=logits[0].device)
@@ -533,7 +567,7 @@ def generate(
     input_ids,
     *,
     max_new_tokens: int = 128,
-    temperature: float = 0.0,
+    temperature: float | Sequence[float] = 0.0,
     top_k: int | None = None,
     top_p: float | None = None,
     min_p: float | None = None,
@@ -556,6 +590,10 @@ def generate(
         max_new_tokens: per request; EOS (``eos_token_id`` or the model's generation config)
                     ends a request early and is kept in its output.
         temperature, top_k, top_p, min_p: sampling (``temperature=0`` is greedy).
+                    ``temperature`` may give one value per request (0: that request is
+                    greedy; top_k/top_p/min_p apply to the sampled ones), as a batch of
+                    greedy and sampled answers does (``treespec capture``); not with an
+                    ``auto`` tree, which calibrates the two modes apart.
         seed:       int or one per request, for reproducible sampling (not with an ``auto``
                     tree, whose sizes follow measured times: see :func:`stream`).
         attention_backend: ``"auto"`` (FlashInfer on CUDA when installed), ``"torch"`` or

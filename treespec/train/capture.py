@@ -29,7 +29,10 @@ so that one capture trains either layout (:func:`load_shards` hands out views, n
 a temporary name, then renamed: a killed run leaves no partial shard). A re-run skips the
 shards present, so a capture can span sessions; ``capture.json`` holds the configuration
 and a re-run with a different one is refused (``max_examples`` may grow). Batches are
-formed inside a shard, by length, so a resumed capture equals an uninterrupted one.
+formed inside a shard, by length (greedy and sampled requests together, each at its own
+temperature), so a resumed capture equals an uninterrupted one with the same batch size;
+``batch_size`` may change between runs (it moves only rounding, so greedy choices at
+near-ties).
 """
 
 from __future__ import annotations
@@ -57,8 +60,10 @@ log = logging.getLogger(__name__)
 MANIFEST = "capture.json"
 _SHARD = re.compile(r"^shard-(\d{6})-(\d{6})\.pt$")
 # What must match between runs into one folder (max_examples may grow; out_dir may move).
+# batch_size is free: it changes how requests share a forward, so only bf16/fp32 rounding and
+# with it greedy choices at near-ties, not which conversations are answered or how.
 _IDENTITY = ("data", "mix", "max_length", "max_new_tokens", "answers", "sample_share", "sample_temperature",
-             "seed", "shard_size", "batch_size", "features", "model", "dtype")
+             "seed", "shard_size", "features", "model", "dtype")
 
 
 @dataclass
@@ -74,7 +79,7 @@ class CaptureConfig:
     sample_temperature: float = 0.8
     seed: int = 0  # which conversations are sampled, and their sampling seeds
     shard_size: int = 64  # conversations per shard file
-    batch_size: int = 32  # requests decoded together (formed inside a shard); 32-48 measured best on 2 cores
+    batch_size: int = 64  # requests decoded together (formed inside a shard, greedy and sampled together)
     features: str = "both"  # "eagle3", "eagle1" or "both"
     model: str | None = None  # the target's name, recorded and checked on resume
     dtype: str | None = None  # as asked ("auto", "bfloat16", ...), recorded and checked on resume
@@ -260,7 +265,7 @@ def _capture_range(model, tokenizer, cfg, plan, a, b, fids, stats, summary) -> l
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
     by_index: dict[int, dict] = {}
-    greedy, sampled, forced = [], [], []  # (plan index, token ids, prompt length[, seed])
+    answered, forced = [], []  # (plan index, prompt ids, temperature, seed); (plan index, ids, prompt length)
     for i in range(a, b):
         key, ex = plan[i]
         if ex.text is not None or cfg.answers == "reference":
@@ -277,15 +282,16 @@ def _capture_range(model, tokenizer, cfg, plan, a, b, fids, stats, summary) -> l
             stats.skipped_too_long += 1
             continue
         is_sampled, seed = _sampled(cfg, key)
-        (sampled if is_sampled else greedy).append((i, ids[:plen], plen, seed))
-    for group, temperature in ((greedy, 0.0), (sampled, cfg.sample_temperature)):
-        group.sort(key=lambda x: (len(x[1]), x[0]))  # similar lengths decode together
-        for s in range(0, len(group), cfg.batch_size):
-            batch = group[s: s + cfg.batch_size]
-            recs = _generate(model, [x[1] for x in batch], fids, cfg, eos, temperature, [x[3] for x in batch])
-            for (i, _, _, _), r in zip(batch, recs):
-                summary["generated_tokens"] += r["tokens"].numel() - r["prompt_len"]
-                by_index[i] = dict(r, sampled=temperature > 0)
+        answered.append((i, ids[:plen], cfg.sample_temperature if is_sampled else 0.0, seed))
+    # Greedy and sampled answers decode in one batch (each request at its own temperature,
+    # with its own seeded generator): one full batch runs far faster than two part-full ones.
+    answered.sort(key=lambda x: (len(x[1]), x[0]))  # similar lengths decode together
+    for s in range(0, len(answered), cfg.batch_size):
+        batch = answered[s: s + cfg.batch_size]
+        recs = _generate(model, [x[1] for x in batch], fids, cfg, eos, [x[2] for x in batch], [x[3] for x in batch])
+        for (i, _, temperature, _), r in zip(batch, recs):
+            summary["generated_tokens"] += r["tokens"].numel() - r["prompt_len"]
+            by_index[i] = dict(r, sampled=temperature > 0)
     if forced:
         hooks = _Hooks(model, fids)
         try:
@@ -307,7 +313,7 @@ def _capture_range(model, tokenizer, cfg, plan, a, b, fids, stats, summary) -> l
     return [dict(by_index[i], index=i, source=plan[i][0]) for i in sorted(by_index)]
 
 
-def _generate(model, prompts, fids, cfg: CaptureConfig, eos, temperature: float, seeds) -> list[dict]:
+def _generate(model, prompts, fids, cfg: CaptureConfig, eos, temperature, seeds) -> list[dict]:
     """The target's replies to ``prompts`` and the features of every position, one pass."""
     max_new = max(1, min(cfg.max_new_tokens, cfg.max_length - max(len(p) for p in prompts)))
     return generated_records(model, prompts, fids, max_new, eos, attention_backend=cfg.attention_backend,

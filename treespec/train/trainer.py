@@ -234,18 +234,20 @@ def _regenerate(model, prompts, fids, cfg: TrainConfig, eos):
 
 
 def generated_records(model, prompts, fids, max_new: int, eos, *, attention_backend: str = "torch",
-                      temperature: float = 0.0, seeds=None) -> list[dict]:
+                      temperature=0.0, seeds=None) -> list[dict]:
     """Training records of the target's own replies to ``prompts``: generated in one batch
     through treespec's engine with the features of every position recorded on the way;
-    the label after each position is the token the target wrote there."""
+    the label after each position is the token the target wrote there. ``temperature``:
+    one for all or one per prompt (0: greedy), ``seeds`` one per prompt."""
     from ..drafters.none import NoDrafter
     from ..engine import generate
 
     # No speculation: a batch of requests on a CPU is compute-bound, where every drafted
     # token costs as much as a decoded one.
     rec = _Recorder(NoDrafter(), fids)
+    sampled = any(t > 0 for t in temperature) if isinstance(temperature, (list, tuple)) else temperature > 0
     out = generate(model, rec, "chain-1", prompts, max_new_tokens=max_new, eos_token_id=eos,
-                   temperature=temperature, seed=list(seeds) if temperature > 0 else None,
+                   temperature=temperature, seed=list(seeds) if sampled else None,
                    attention_backend=attention_backend)
     records = []
     for prompt, gen, f in zip(prompts, out.sequences, rec.sessions[-1]):
