@@ -224,6 +224,45 @@ def test_bf16_autocast_training_step_matches_float32(tiny_lm, tmp_path):
         _autocast_dtype("fp16", "cpu")
 
 
+def test_soft_labels_are_the_targets_distribution(tiny_lm, tmp_path):
+    """Soft labels: the target's distribution recomputed from the captured final state sits at
+    the entry of its label (the target's argmax there is the greedy label), a one-hot one
+    gives the hard loss exactly, and training on them runs and needs a capture folder."""
+    from treespec.drafters.eagle import EagleHead
+    from treespec.train.trainer import _collate, target_probs, ttt_loss
+
+    model, tok = tiny_lm
+    cap = tmp_path / "cap"
+    capture_shards(model, tok, _cfg(_data(tmp_path), cap))
+    recs = load_shards(cap, greedy_only=True, final=True)
+    assert "final" not in load_shards(cap)[0]
+    W = model.get_output_embeddings().weight
+    keep = torch.arange(0, W.shape[0], 2)  # a draft vocabulary of every other token
+    probs = target_probs(recs[0]["final"], W[keep])
+    want = torch.softmax(model.get_output_embeddings()(recs[0]["final"].float())[:, keep].float(), -1)
+    torch.testing.assert_close(probs, want, rtol=1e-4, atol=1e-6)
+    # Alignment: with the full vocabulary, the argmax of each entry's target distribution is
+    # its label (the target's greedy token), up to fp16-stored states at near-ties.
+    batch = _collate(recs, range(len(recs)), W.detach())
+    sel = batch["labels"] >= 0
+    agree = (batch["target_probs"].argmax(-1)[sel] == batch["labels"][sel]).float().mean()
+    assert agree > 0.95, agree
+    shifted = (batch["target_probs"][:, 1:].argmax(-1)[sel[:, :-1]] == batch["labels"][:, :-1][sel[:, :-1]])
+    assert shifted.float().mean() < 0.5  # one entry off would not agree
+    head = EagleHead.for_target(model, eagle3=True, draft_vocab_size=None).float()
+    with torch.no_grad():
+        hard, _ = ttt_loss(head, {k: v for k, v in batch.items() if k != "target_probs"}, 3)
+        onehot = torch.nn.functional.one_hot(batch["labels"].clamp(min=0), W.shape[0]).float()
+        as_soft, _ = ttt_loss(head, dict(batch, target_probs=onehot), 3)
+    assert float(as_soft) == pytest.approx(float(hard), rel=1e-5)
+    out = tmp_path / "soft"
+    cfg = TrainConfig(data="", out_dir=str(out), captured=str(cap), val_captured=str(cap), draft_vocab_size=64,
+                      epochs=1, batch_size=4, warmup_steps=1, soft_labels=True)
+    assert train_eagle(model, tok, cfg).config.eagle3 and (out / "validation.txt").exists()
+    with pytest.raises(ValueError, match="soft labels need a capture folder"):
+        train_eagle(model, tok, TrainConfig(data=_data(tmp_path), out_dir=str(tmp_path / "x"), soft_labels=True))
+
+
 # ---- command line -----------------------------------------------------------------------------
 
 

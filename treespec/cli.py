@@ -746,6 +746,10 @@ def _add_train(sub):
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--ttt-steps", type=int, default=3)
+    p.add_argument("--soft-labels", action="store_true",
+                   help="train on the target's whole next-token distribution over the draft vocabulary "
+                        "(from the captured final state, as EAGLE-3 trains) instead of its one token; "
+                        "needs --captured with features 'both'")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="compute dtype of training (bf16 autocast; weights and optimiser state stay fp32). "
@@ -770,7 +774,7 @@ def _train(args):
         regenerate_count=None if args.regenerate < 0 else args.regenerate,
         regen_max_new_tokens=args.regen_max_new_tokens, epochs=args.epochs,
         batch_size=args.batch_size, lr=args.lr, ttt_steps=args.ttt_steps, seed=args.seed,
-        dtype=args.dtype,
+        dtype=args.dtype, soft_labels=args.soft_labels,
     )
     _setup_threads(args)
     model, tok = _load_model(args.model)

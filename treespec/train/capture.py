@@ -324,7 +324,7 @@ def _generate(model, prompts, fids, cfg: CaptureConfig, eos, temperature, seeds)
 
 
 def load_shards(out_dir, eagle3: bool = True, limit: int | None = None, greedy_only: bool = False,
-                mmap: bool = True, source: str | None = None) -> list[dict]:
+                mmap: bool = True, source: str | None = None, final: bool = False) -> list[dict]:
     """The records of a capture folder (its contiguous prefix of shards), features narrowed
     to the layout's (EAGLE-3 fusion or EAGLE-1/2 final state; views of memory-mapped
     files, so a capture larger than memory trains).
@@ -332,6 +332,9 @@ def load_shards(out_dir, eagle3: bool = True, limit: int | None = None, greedy_o
     ``limit``: the first ``limit`` conversations (in plan order) that pass the filters.
     ``greedy_only``: leave out sampled answers (validation of top-1 agreement).
     ``source``: only conversations from this dataset of the mix (its name in ``data``).
+    ``final``: also hand out the final post-norm state as ``record["final"]`` (a view), from
+    which the target's logits, hence its whole next-token distribution, are recomputed
+    (soft labels); the capture must hold it (``features="both"`` or ``"eagle1"``).
     """
     out = Path(out_dir)
     mpath = out / MANIFEST
@@ -345,6 +348,9 @@ def load_shards(out_dir, eagle3: bool = True, limit: int | None = None, greedy_o
     first = fids.index(want[0])
     if fids[first: first + len(want)] != want:
         raise ValueError(f"{out}: the {want} features are not adjacent in {fids}")
+    if final and -1 not in fids:
+        raise ValueError(f"{out} has features {fids}, not the final state that soft labels need "
+                         f"(capture with features='both')")
     records = []
     for path in shard_files(out):
         if limit is not None and len(records) >= limit:
@@ -355,6 +361,9 @@ def load_shards(out_dir, eagle3: bool = True, limit: int | None = None, greedy_o
             if limit is not None and len(records) >= limit:
                 break
             H = r["features"].shape[1] // len(fids)
+            if final:
+                f = fids.index(-1)
+                r["final"] = r["features"][:, f * H: (f + 1) * H]
             r["features"] = r["features"][:, first * H: (first + len(want)) * H]  # a view
             records.append(r)
     if not records:

@@ -78,6 +78,9 @@ class TrainConfig:
     captured_source: str | None = None  # with captured: only this dataset of its mix
     val_captured: str | None = None  # a capture folder held out for validation (all its greedy
     # conversations, up to val_examples), so that runs on different data compare on one set
+    soft_labels: bool = False  # train on the target's whole next-token distribution over the draft
+    # vocabulary (recomputed from the captured final state), as EAGLE-3's training does, instead of
+    # its one token; needs a capture with the final state (captured, features "both")
 
 
 @dataclass
@@ -311,7 +314,10 @@ def ttt_loss(head: EagleHead, batch, steps: int):
 
     batch: ``tokens [B, T+1]``, ``features [B, T, F]``, ``labels [B, T]`` (entry i pairs
     feature i with token i+1 and predicts the target's token after position i+1: labels
-    are shifted accordingly by the caller), ``lengths [B]`` entries per row.
+    are shifted accordingly by the caller), ``lengths [B]`` entries per row; optionally
+    ``target_probs [B, T, Vd]``: the target's distribution there over the draft vocabulary
+    (soft labels: the loss is its cross-entropy with the head's, at the entries that have
+    a label in the draft vocabulary). Accuracy is always against ``labels``.
     """
     c = head.config
     tokens, feats, labels, lengths = batch["tokens"], batch["features"], batch["labels"], batch["lengths"]
@@ -346,7 +352,12 @@ def ttt_loss(head: EagleHead, batch, steps: int):
         lab[:, : s - 1] = -100
         if c.eagle3:
             lab = torch.where(lab >= 0, _to_draft(head, lab.clamp(min=0)), -100)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), lab.reshape(-1), ignore_index=-100)
+        if batch.get("target_probs") is not None:
+            sel = lab >= 0
+            logp = torch.log_softmax(logits[sel].float(), -1)
+            loss = -(batch["target_probs"][sel] * logp).sum(-1).mean() if sel.any() else logits.sum() * float("nan")
+        else:
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), lab.reshape(-1), ignore_index=-100)
         w = 0.8 ** (s - 1)
         if torch.isfinite(loss):
             total = total + w * loss
@@ -368,7 +379,16 @@ def _to_draft(head: EagleHead, target_ids: torch.Tensor) -> torch.Tensor:
     return head._t2d_index[target_ids]
 
 
-def _collate(records, idx):
+def target_probs(final: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The target's next-token distribution over the draft vocabulary: softmax of its logits
+    ``final @ rows.T`` restricted to the draft's tokens (``rows``: the target's output rows of
+    those tokens, ``[Vd, H]``), as EAGLE-3's training forms its soft labels."""
+    return torch.softmax(final.float() @ rows.float().T, -1)
+
+
+def _collate(records, idx, rows: torch.Tensor | None = None):
+    """A padded batch (see :func:`ttt_loss`); with ``rows`` (soft labels) also the target's
+    distribution at each entry, from the records' final states."""
     rs = [records[i] for i in idx]
     T = max(r["tokens"].numel() - 1 for r in rs)
     B = len(rs)
@@ -384,7 +404,15 @@ def _collate(records, idx):
         # Entry i (feature i, token i+1) predicts the target's token after position i+1.
         labels[b, : n - 2] = r["labels"][1: n - 1]
         lengths[b] = n - 1
-    return {"tokens": tokens, "features": feats, "labels": labels, "lengths": lengths}
+    batch = {"tokens": tokens, "features": feats, "labels": labels, "lengths": lengths}
+    if rows is not None:
+        final = torch.zeros(B, T, rows.shape[1])
+        for b, r in enumerate(rs):
+            n = r["tokens"].numel()
+            final[b, : n - 2] = r["final"][1: n - 1].float()  # the state whose logits give labels[b, :n-2]
+        with torch.no_grad():
+            batch["target_probs"] = target_probs(final, rows)
+    return batch
 
 
 def validate(head: EagleHead, records, ttt_steps: int) -> tuple[float, list[float]]:
@@ -422,8 +450,12 @@ def train_eagle(model, tokenizer, cfg: TrainConfig, callback: Callable[[Progress
     if cfg.captured:
         from .capture import load_shards
 
-        records = load_shards(cfg.captured, eagle3=cfg.eagle3, limit=cfg.max_examples, source=cfg.captured_source)
+        records = load_shards(cfg.captured, eagle3=cfg.eagle3, limit=cfg.max_examples, source=cfg.captured_source,
+                              final=cfg.soft_labels)
         log.info("training on %d conversations captured in %s", len(records), cfg.captured)
+    elif cfg.soft_labels:
+        raise ValueError("soft labels need a capture folder with the final state (treespec capture, "
+                         "features 'both'): train with captured=DIR")
     elif cap_path.exists():
         records = torch.load(cap_path, weights_only=False)
         log.info("resuming: %d captured conversations from %s", len(records), cap_path)
@@ -444,6 +476,11 @@ def train_eagle(model, tokenizer, cfg: TrainConfig, callback: Callable[[Progress
         with torch.no_grad():  # start the draft's output layer from the target's rows
             keep = torch.arange(d2t.numel()) + d2t
             head.lm_head.weight.copy_(model.get_output_embeddings().weight[keep].float())
+    rows = None
+    if cfg.soft_labels:
+        if not cfg.eagle3:
+            raise ValueError("soft labels are implemented for the EAGLE-3 layout (its draft vocabulary)")
+        rows = model.get_output_embeddings().weight[torch.arange(d2t.numel()) + d2t].detach().float()
     for p in head.parameters():
         p.requires_grad_(True)
     params = [p for p in head.parameters() if p.requires_grad]
@@ -496,7 +533,7 @@ def train_eagle(model, tokenizer, cfg: TrainConfig, callback: Callable[[Progress
         for bidx in epoch_batches(epoch)[within:]:
             if step >= total_steps:
                 break
-            batch = _collate(records, bidx)
+            batch = _collate(records, bidx, rows)
             for g in opt.param_groups:
                 g["lr"] = lr_at(step)
             with torch.autocast(device_type, dtype=amp or torch.bfloat16, enabled=amp is not None):
