@@ -69,6 +69,7 @@ def rows(sizes=(2500, 7500), vocabs=(4096, 8192, 16384), gsm8k_n: int = 2500,
         Row("ttt-5", "5 training-time-test steps", {"ttt_steps": 5}),
         Row("eagle1", "EAGLE-1/2 layout (final state, full vocabulary)", {"eagle3": False, "draft_vocab_size": None}),
         Row("soft", "soft labels: the target's distribution over the draft vocabulary", {"soft_labels": True}),
+        Row("lr-3e-3", "learning rate 3e-3 (base 1e-3)", {"lr": 3e-3}),
         Row("gsm8k-target", f"{source}, first {gsm8k_n}, target-written answers",
             {"max_examples": gsm8k_n, "captured_source": source}),
         Row("gsm8k-reference", f"{source}, first {gsm8k_n}, reference answers",
@@ -114,15 +115,15 @@ def run_row(row: Row, args, model_train, tok, model_eval, prompt_sets) -> dict:
     if captured is None:
         raise SystemExit(f"row {row.name} needs --reference-capture")
     cfg = TrainConfig(data="", out_dir=str(out), captured=captured, val_captured=args.val_capture,
-                      epochs=args.epochs, seed=args.seed, val_examples=args.val_examples,
-                      **{"batch_size": args.batch_size, **row.train})
+                      seed=args.seed, val_examples=args.val_examples,
+                      **{"batch_size": args.batch_size, "epochs": args.epochs, **row.train})
     t0 = time.perf_counter()
     train_eagle(model_train, tok, cfg)
     train_s = time.perf_counter() - t0
     val = dict(line.split(" ", 1) for line in (out / "validation.txt").read_text().splitlines())
     result = {
         "name": row.name, "what": row.what, "captured": captured, "train": {k: v for k, v in row.train.items()},
-        "epochs": args.epochs, "train_seconds": round(train_s, 1),
+        "epochs": cfg.epochs, "train_seconds": round(train_s, 1),
         "val_loss": float(val["loss"]), "top1_by_step": [float(x) for x in val["top1_by_step"].split()],
         "tau": {},
     }

@@ -181,6 +181,30 @@ def test_calibration_memory_gives_way_to_a_new_domain():
 # ---- early stop --------------------------------------------------------------------------
 
 
+def test_step_overhead_is_learned_and_makes_larger_trees_pay():
+    """A step that costs more than the curve says (a fixed cost per step) is learned as the
+    measured remainder, and a fixed cost shared by every tree size favours larger trees:
+    on MID, p = 0.9, 0.5, 0.3 pick two nodes without it and three with a cost of one step."""
+    ctl = AutoController(AutoProfile(costs=MID), max_nodes=8, top_k=4, greedy=True)
+    assert ctl.overhead == 0.0
+    for _ in range(200):
+        ctl.end_step(3, float(MID(3)) + 1.0)  # every step 1.0 s above the curve
+    assert ctl.profile.step_overhead == pytest.approx(1.0, rel=1e-6)
+    tree = Tree([-1, 0, 1, 2], [0, 1, 2, 3], np.log([1.0, 0.9, 0.5, 0.3]).tolist())
+    probs = np.array([[0.9, 0.5, 0.3]])
+    assert best_sizes(probs, MID, 0.0)[0].tolist() == [2]
+    assert best_sizes(probs, MID, ctl.overhead)[0].tolist() == [3]
+    ctl.calibration = exact()
+    assert ctl.choose([tree], 0.0)[0].num_drafted == 3
+    fresh = AutoController(AutoProfile(costs=MID), max_nodes=8, top_k=4, greedy=True)
+    fresh.calibration = exact()
+    assert fresh.choose([tree], 0.0)[0].num_drafted == 2
+    # A curve that overestimates learns a negative remainder, bounded by half a forward.
+    for _ in range(200):
+        ctl.end_step(3, 0.0)
+    assert ctl.profile.step_overhead < 0 and ctl.overhead == pytest.approx(-0.5 * float(MID(1)))
+
+
 def test_keep_drafting_bound():
     probs = np.array([[0.9, 0.8, 0.1]])
     # A flat curve and a free level: any node with p > 0 may help.
@@ -358,13 +382,14 @@ def test_cost_key_sees_packed_weights():
 
 
 def test_profile_json_round_trip(tmp_path):
-    p = AutoProfile(costs=MID, level_seconds=0.003, keys={"model": "tiny"})
+    p = AutoProfile(costs=MID, level_seconds=0.003, step_overhead=0.004, keys={"model": "tiny"})
     p.greedy.observe([-0.1, -0.1, -2.0], [1, 0, 0])
     p.sampling.observe([-0.5], [1])
     path = p.save(tmp_path / "p.json")
     q = AutoProfile.load(path)
     assert q.to_json() == p.to_json()
     assert q.greedy.seen == p.greedy.seen and q.costs == MID and q.level_seconds == 0.003
+    assert q.step_overhead == 0.004
     np.testing.assert_allclose(q.greedy(np.array([-0.1, -1.0])), p.greedy(np.array([-0.1, -1.0])))
     c = p.copy()
     c.greedy.observe([-0.1], [1])
@@ -440,6 +465,7 @@ def test_profile_learns_across_calls_and_fixed_configs_record_sizes():
     treespec.generate(model, ModelDrafter(twin), "auto", PROMPTS, max_new_tokens=10, auto_profile=profile)
     seen = profile.greedy.num_observed
     assert seen > 0 and profile.level_seconds is not None and profile.sampling.num_observed == 0
+    assert profile.step_overhead is not None  # learned from the steps' measured times
     treespec.generate(model, NgramDrafter(), "auto", PROMPTS, max_new_tokens=10, auto_profile=profile,
                       temperature=1.0, seed=0)
     assert profile.greedy.num_observed == seen  # sampling learns into its own calibration

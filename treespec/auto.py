@@ -59,6 +59,7 @@ __all__ = ["HEAD_PROFILE", "AutoProfile", "AutoController", "choice_order", "bes
 log = logging.getLogger(__name__)
 
 LEVEL_EMA = 0.2  # weight of the newest measurement of one level's draft time
+OVERHEAD_EMA = 0.1  # weight of the newest step's measured overhead
 #: A head directory's ``auto`` profile (written by ``treespec tune --out``): its calibrations
 #: are where ``auto`` starts for that head when no profile is given; its cost curve, measured
 #: on some other machine, is not used.
@@ -172,6 +173,9 @@ class AutoProfile:
         greedy:        calibration under greedy decoding.
         sampling:      calibration under sampling (its own: acceptance differs).
         level_seconds: draft time of one tree level (EMA), None until measured.
+        step_overhead: what a step costs beyond its draft and the curve's forward (EMA of the
+                       measured remainder: verification, cache compaction, the draft's commit,
+                       a context longer than the curve's), None until measured.
         keys:          what the profile was measured on (model, machine, draft, ...).
     """
 
@@ -179,6 +183,7 @@ class AutoProfile:
     greedy: Calibration = field(default_factory=Calibration)
     sampling: Calibration = field(default_factory=Calibration)
     level_seconds: float | None = None
+    step_overhead: float | None = None
     keys: dict = field(default_factory=dict)
 
     def calibration(self, greedy: bool) -> Calibration:
@@ -230,6 +235,7 @@ class AutoProfile:
             "keys": self.keys,
             "costs": None if self.costs is None else self.costs.to_json(),
             "level_seconds": self.level_seconds,
+            "step_overhead": self.step_overhead,
             "greedy": self.greedy.to_json(),
             "sampling": self.sampling.to_json(),
         }
@@ -243,6 +249,7 @@ class AutoProfile:
             greedy=Calibration.from_json(data["greedy"]),
             sampling=Calibration.from_json(data["sampling"]),
             level_seconds=data.get("level_seconds"),
+            step_overhead=data.get("step_overhead"),
             keys=dict(data.get("keys") or {}),
         )
 
@@ -276,7 +283,14 @@ class AutoController:
     of each request's tree after drafting, and learning from each verification.
 
     Per step: ``begin_step()`` before ``propose``; ``choose(trees, propose_seconds)``
-    after it; ``learn(trees, verdicts)`` after verification.
+    after it; ``learn(trees, verdicts)`` after verification; ``end_step(tokens, seconds)``
+    with the time from the verify forward's start to the step's end.
+
+    Every step also pays what the cost curve does not hold (verification, cache compaction,
+    the draft's commit, attention over a context longer than the curve's): the profile's
+    ``step_overhead``, learned here, joins each step's draft time in the rule's denominator.
+    Leaving it out would price every token as if a step had no fixed cost, and so choose
+    trees smaller than pay.
     """
 
     def __init__(self, profile: AutoProfile, max_nodes: int, top_k: int, greedy: bool):
@@ -308,13 +322,26 @@ class AutoController:
         probs = self.calibration(-np.sort(-pool, axis=1))
         p_f = self.calibration(frontier_scores.detach().float().cpu().numpy().max(axis=1))
         # Unmeasured yet: assume a level is free, so the next step drafts one and measures it.
-        go = keep_drafting(probs, p_f, self.profile.costs, now - self._t0, self.profile.level_seconds or 0.0,
-                           self.max_nodes, self.top_k)
+        go = keep_drafting(probs, p_f, self.profile.costs, now - self._t0 + self.overhead,
+                           self.profile.level_seconds or 0.0, self.max_nodes, self.top_k)
         self._last_stop = now if go else None
         return not go
 
+    @property
+    def overhead(self) -> float:
+        """The step's fixed cost beyond draft and curve (0 until measured); never below
+        minus half a one-token forward, so that no denominator can reach zero."""
+        return max(self.profile.step_overhead or 0.0, -0.5 * float(self.profile.costs(1)))
+
     def choose(self, trees: Sequence[Tree], propose_seconds: float) -> list[Tree]:
-        return choose_trees(trees, self.calibration, self.profile.costs, propose_seconds)
+        return choose_trees(trees, self.calibration, self.profile.costs, propose_seconds + self.overhead)
+
+    def end_step(self, tokens: int, seconds: float) -> None:
+        """A step verified ``tokens`` tokens (roots included) in one forward and spent
+        ``seconds`` from that forward's start to the step's end: learn the remainder."""
+        rest = seconds - float(self.profile.costs(tokens))
+        old = self.profile.step_overhead
+        self.profile.step_overhead = rest if old is None else (1 - OVERHEAD_EMA) * old + OVERHEAD_EMA * rest
 
     def learn(self, trees: Sequence[Tree], paths: Sequence[Sequence[int]]) -> None:
         """Each verified drafted node is accepted iff it lies on its request's committed path."""

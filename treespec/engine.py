@@ -471,7 +471,7 @@ def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts, param
                     raise RuntimeError(f"{type(drafter).__name__} proposed a tree whose root is not the last committed token")
             metrics.draft_seconds += time.perf_counter() - t0
 
-            t0 = time.perf_counter()
+            t0 = t_verify = time.perf_counter()
             out = runner.forward(
                 cache, [seqs[b] for b in active], [t.tokens for t in trees],
                 [t.position_ids(L) for t, L in zip(trees, committed_len)],
@@ -511,6 +511,8 @@ def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts, param
                     session.finish(b)
                     cache.free_sequence(seqs[b])
             metrics.draft_seconds += time.perf_counter() - t0
+            if auto is not None:
+                auto.end_step(sum(t.num_nodes for t in trees), time.perf_counter() - t_verify)
             metrics.total_seconds = time.perf_counter() - t_start
             yield StepOutput(step, step_tokens, list(done), metrics)
     metrics.total_seconds = time.perf_counter() - t_start
