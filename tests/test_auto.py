@@ -301,6 +301,16 @@ def test_cost_curve_interpolates_and_extends():
     assert CostCurve.from_json(json.loads(json.dumps(c.to_json()))) == c
 
 
+def test_monotone_fit_pools_a_spike_instead_of_lifting_every_larger_size():
+    from treespec.costs import monotone_fit
+
+    fit = monotone_fit([10.0, 11.0, 30.0, 12.0, 12.5, 13.0, 20.0])  # one slow sample at q=3
+    assert np.all(np.diff(fit) >= 0)
+    assert fit[:2].tolist() == [10.0, 11.0] and fit[-1] == 20.0
+    assert fit[2] < 30.0 and fit[5] < 20.0  # pooled; a running maximum would give 30 up to q=6
+    assert monotone_fit([1.0, 2.0, 3.0]).tolist() == [1.0, 2.0, 3.0]
+
+
 def test_measure_cost_curve_on_a_tiny_model():
     runner = ModelRunner(tiny_model("llama", 0))
     with runner.attached():

@@ -5,8 +5,9 @@ one 2-core CPU 4 tokens cost 1.4x one token and 32 tokens 2.4x (fp32), on anothe
 32 tokens cost 1.6x, on a GPU 60 tokens cost about one. So the curve is measured on the
 model, dtype, attention backend, thread count and machine it will run on: a handful of
 timed forwards through :class:`~treespec.runner.ModelRunner` on a scratch cache (one
-request, a 128-token prefix, q tree tokens under a causal mask), median of 3 per q, linear
-interpolation between the measured q.
+request, a 128-token prefix, q tree tokens under a causal mask), the sizes timed in turn 5
+times, the median per q made non-decreasing by isotonic regression, linear interpolation
+between the measured q.
 
 The curve is cached as JSON in ``treespec.models.cache_dir() / "costs"``, one file per key
 (model identity, dtype, backend, threads, device name, packed weights); ``refresh=True``
@@ -35,7 +36,7 @@ log = logging.getLogger(__name__)
 #: tree sizes (root included) timed at start-up; the grid stops at the largest tree needed.
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 PREFIX = 128  # cached tokens behind the timed forwards: a typical prompt's length
-REPEATS = 3
+REPEATS = 5
 
 
 @dataclass(frozen=True)
@@ -146,10 +147,23 @@ def measure_cost_curve(runner, max_tokens: int, repeats: int = REPEATS) -> CostC
         return dt
 
     once(qs[-1])  # warm-up: first calls allocate and pick kernels
-    seconds = [statistics.median(once(q) for _ in range(repeats)) for q in qs]
-    # Timing noise can make a larger forward look cheaper; the curve is non-decreasing.
-    seconds = np.maximum.accumulate(np.array(seconds)).tolist()
-    return CostCurve(tuple(qs), tuple(seconds))
+    # Round-robin over the sizes, so that a burst of noise (another process, a frequency
+    # change) spreads over several sizes' samples rather than owning all of one size's.
+    samples = {q: [] for q in qs}
+    for _ in range(repeats):
+        for q in qs:
+            samples[q].append(once(q))
+    return CostCurve(tuple(qs), tuple(monotone_fit([statistics.median(samples[q]) for q in qs]).tolist()))
+
+
+def monotone_fit(seconds) -> np.ndarray:
+    """The non-decreasing curve closest to ``seconds`` (isotonic regression): noise can make a
+    larger forward look cheaper, and a running maximum would let one slow sample raise every
+    larger size to its level; pooling averages the violators instead."""
+    from .calibration import pav
+
+    seconds = np.asarray(seconds, dtype=np.float64)
+    return pav(seconds, np.ones_like(seconds))
 
 
 def cached_cost_curve(runner, max_tokens: int, refresh: bool = False) -> CostCurve:

@@ -604,7 +604,7 @@ def generate(
                     :class:`~treespec.auto.AutoProfile` (cost curve and calibrations) to decide
                     from and keep learning into; pass the same one to later calls to reuse
                     what it learned. None: a fresh one, its cost curve from the disk cache or
-                    measured (a second or two, once per machine and model), its calibrations
+                    measured (a few seconds, once per machine and model), its calibrations
                     the draft's own (a head directory's ``auto-profile.json``) or else the
                     prior. Ignored otherwise.
     Returns:

@@ -87,6 +87,9 @@ def save_tune_plots(profile: AutoProfile, tree_sizes: Sequence[int], out_dir, pr
         c = profile.costs
         ax.plot(c.tokens, [s * 1e3 for s in c.seconds], marker="o", label="verify forward")
         ax.axhline(c.seconds[0] * 1e3, color="#999999", lw=0.8, ls="--", label="one token (a decode step)")
+        if profile.step_overhead:
+            ax.plot(c.tokens, [(s + profile.step_overhead) * 1e3 for s in c.seconds], color="#5070b0", lw=0.8,
+                    ls="-.", label="a step as measured (forward + the step's fixed cost)")
     if profile.level_seconds:
         ax.axhline(profile.level_seconds * 1e3, color="#c07030", lw=0.8, ls=":", label="one draft level")
     ax.set_xlabel("tokens verified (tree nodes, root included)")
