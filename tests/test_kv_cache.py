@@ -309,3 +309,9 @@ def test_block_needs_consecutive_free_pages():
     assert cache.free_tokens == 16  # nothing taken
     seqs = cache.add_sequences(3, 4)
     assert [cache.page_tables[s] for s in seqs] == [[3], [4], [5]]
+
+
+def test_with_rows_builds_a_block_with_a_spare_page_each():
+    cache, seqs = PagedKVCache.with_rows(2, 1, 2, count=3, tokens=9, page_size=4)
+    assert cache.num_pages == 3 * (3 + 1) and cache.free_tokens == 3 * 4
+    assert cache.block_rows(seqs, 12) == (0, 12, [0, 1, 2]) and cache.block_rows(seqs, 13) is None

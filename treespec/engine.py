@@ -404,9 +404,7 @@ def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts, param
         t_start = time.perf_counter()
         # One row of the cache per request, each long enough for the longest: a batch's K/V
         # are then read as a view of the cache, not gathered (PagedKVCache.add_sequences).
-        longest = max(len(p) for p in prompts) + max_new + cfg.max_tree_tokens
-        cache = runner.new_cache([longest] * B, page_size)
-        seqs = cache.add_sequences(B, longest)
+        cache, seqs = runner.new_rows_cache(B, max(len(p) for p in prompts) + max_new + cfg.max_tree_tokens, page_size)
         needs_features = bool(runner.feature_layers)
 
         # ---- prefill: the whole prompt; its last logits give the first token ----

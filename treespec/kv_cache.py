@@ -104,6 +104,16 @@ class PagedKVCache:
         self._block = (start * self.page_size, pages * self.page_size)
         return seqs
 
+    @classmethod
+    def with_rows(cls, num_layers: int, num_kv_heads: int, head_dim: int, count: int, tokens: int,
+                  page_size: int = 16, dtype: torch.dtype = torch.float32,
+                  device: torch.device | str = "cpu") -> tuple["PagedKVCache", list[int]]:
+        """A cache of ``count`` sequences in one block of rows of ``tokens`` positions each
+        (:meth:`add_sequences`), plus a spare page per sequence; returns it and the sequences."""
+        pages = max(1, -(-int(tokens) // page_size))
+        cache = cls(num_layers, num_kv_heads, head_dim, count * (pages + 1), page_size, dtype, device)
+        return cache, cache.add_sequences(count, tokens)
+
     def block_rows(self, seqs, length: int) -> tuple[int, int, list[int]] | None:
         """``(first slot, stride, rows)``: where sequences ``seqs`` hold their first ``length``
         positions in the block of :meth:`add_sequences` (position ``p`` of ``seqs[b]`` is the

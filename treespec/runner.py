@@ -86,6 +86,12 @@ class ModelRunner:
             kv_dtype(self.dtype, self.device), self.device,
         )
 
+    def new_rows_cache(self, count: int, tokens: int, page_size: int = 16) -> tuple[PagedKVCache, list[int]]:
+        """A cache for a batch: ``count`` sequences in equal rows of ``tokens`` positions, read
+        as a view by the torch backend (:meth:`PagedKVCache.with_rows`)."""
+        return PagedKVCache.with_rows(self.num_layers, self.num_kv_heads, self.head_dim, count, tokens, page_size,
+                                      kv_dtype(self.dtype, self.device), self.device)
+
     @contextlib.contextmanager
     def attached(self):
         """Switch the model to treespec attention; restore its implementation on exit."""

@@ -445,10 +445,9 @@ class EagleSession(DraftSession):
         self.stop = ctx.stop
         room = ctx.tree_cfg.depth * ctx.tree_cfg.top_k + ctx.tree_cfg.num_nodes + 2
         longest = max(len(pr) for pr in ctx.prompts) + ctx.max_new_tokens + room
-        ps, B = drafter.page_size, len(ctx.prompts)
-        self.cache = PagedKVCache(1, c.num_kv_heads, c.head_dim, B * (-(-longest // ps) + 1), ps,
-                                  kv_dtype(self.dtype, self.device), self.device)
-        self.seq = self.cache.add_sequences(B, longest)
+        self.cache, self.seq = PagedKVCache.with_rows(1, c.num_kv_heads, c.head_dim, len(ctx.prompts), longest,
+                                                      drafter.page_size, kv_dtype(self.dtype, self.device),
+                                                      self.device)
         self.root_logp: dict[int, torch.Tensor] = {}
         self.root_state: dict[int, torch.Tensor] = {}
         tokens = [pr[1:] + [t] for pr, t in zip(ctx.prompts, ctx.first_tokens)]

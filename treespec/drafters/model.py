@@ -64,8 +64,7 @@ class ModelDraftSession(DraftSession):
         self.stop = ctx.stop
         room = ctx.tree_cfg.depth * ctx.tree_cfg.top_k + ctx.tree_cfg.num_nodes + 2
         longest = max(len(p) for p in ctx.prompts) + ctx.max_new_tokens + room
-        self.cache = self.runner.new_cache([longest] * len(ctx.prompts), drafter.page_size)
-        self.seq = self.cache.add_sequences(len(ctx.prompts), longest)
+        self.cache, self.seq = self.runner.new_rows_cache(len(ctx.prompts), longest, drafter.page_size)
         self.pending = [[t] for t in ctx.first_tokens]  # committed, not yet in the draft cache
         with self.runner.attached():
             self._run_causal(list(range(len(ctx.prompts))), [list(p) for p in ctx.prompts], logits=False)

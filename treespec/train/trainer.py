@@ -480,7 +480,7 @@ def train_eagle(model, tokenizer, cfg: TrainConfig, callback: Callable[[Progress
     if cfg.soft_labels:
         if not cfg.eagle3:
             raise ValueError("soft labels are implemented for the EAGLE-3 layout (its draft vocabulary)")
-        rows = model.get_output_embeddings().weight[torch.arange(d2t.numel()) + d2t].detach().float()
+        rows = head.lm_head.weight.detach().clone()  # the target's rows, as copied above, frozen
     for p in head.parameters():
         p.requires_grad_(True)
     params = [p for p in head.parameters() if p.requires_grad]
