@@ -23,6 +23,7 @@ from treespec import AutoProfile, Tree, TreeConfig
 from treespec.costs import CostCurve
 from treespec.drafters.base import DraftSession, Drafter
 from treespec.drafters.model import ModelDrafter
+from treespec.drafters.hybrid import HybridDrafter
 from treespec.drafters.ngram import NgramDrafter
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
@@ -57,6 +58,9 @@ def reference(family: str, seed: int, prompt: tuple[int, ...], n: int) -> list[i
 
 
 def make_drafter(kind: str, family: str, seed: int):
+    if kind.endswith("+lookup"):  # prompt lookup grafted onto a model drafter's trees
+        return HybridDrafter(make_drafter(kind[: -len("+lookup")], family, seed),
+                             NgramDrafter(max_ngram=2, min_ngram=1, max_matches=2, depth=5, num_nodes=6))
     if kind == "ngram":
         return NgramDrafter()
     if kind == "weak":
@@ -105,14 +109,14 @@ def as_input(prompts: list[list[int]], form: str):
 
 # ---- greedy equality ----------------------------------------------------------------------
 
-@settings(max_examples=18, **SETTINGS)
+@settings(max_examples=24, **SETTINGS)
 @given(
     family=st.sampled_from(FAMILIES),
     seed=st.integers(0, 3),
     prompts=prompt_lists,
     form=st.sampled_from(["lists", "int32", "int64"]),
     tree_cfg=tree_configs,
-    drafter=st.sampled_from(["ngram", "weak", "twin"]),
+    drafter=st.sampled_from(["ngram", "weak", "twin", "weak+lookup", "twin+lookup"]),
     max_new=st.integers(1, 20),
     verify_cost=st.sampled_from([0.0, 0.3, 1.0]),
 )

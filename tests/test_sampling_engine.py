@@ -22,6 +22,7 @@ from tiny import tiny_model
 from treespec import AutoProfile, SamplingParams, TreeConfig
 from treespec.costs import CostCurve
 from treespec.drafters.model import ModelDrafter
+from treespec.drafters.hybrid import HybridDrafter
 from treespec.drafters.ngram import NgramDrafter
 
 
@@ -183,7 +184,8 @@ def test_sampling_params_match_hf_generate():
         assert torch.allclose(hf, ours, atol=1e-6), kw
 
 
-@pytest.mark.parametrize("drafter,tree", [("twin", "dynamic"), ("ngram", "dynamic"), ("twin", "auto")])
+@pytest.mark.parametrize("drafter,tree", [("twin", "dynamic"), ("ngram", "dynamic"), ("twin", "auto"),
+                                          ("twin+lookup", "dynamic"), ("twin+lookup", "auto")])
 def test_distribution_matches_model(drafter, tree):
     """N seeded requests, 3 new tokens each: the first verify step has a depth-1 tree, so
     token 2 is an accepted draft or a correction and token 3 often the bonus after it.
@@ -191,7 +193,9 @@ def test_distribution_matches_model(drafter, tree):
     chooses jointly; here a token costs a thousandth of a step, so with 400 roots a node pays
     when p > ~0.3): choosing fewer nodes must not change the distribution."""
     model = soft_model(1, vocab=E2E_V, peak=6.0)
-    draft = ModelDrafter(twin(1, vocab=E2E_V, peak=6.0)) if drafter == "twin" else NgramDrafter()
+    draft = ModelDrafter(twin(1, vocab=E2E_V, peak=6.0)) if drafter.startswith("twin") else NgramDrafter()
+    if drafter.endswith("+lookup"):  # lookup's chains grafted on: a tree of two drafters
+        draft = HybridDrafter(draft, NgramDrafter(max_ngram=2, min_ngram=1, max_matches=2, depth=3, num_nodes=4))
     N = 400
     cfg = TreeConfig.auto(3, 3, 6) if tree == "auto" else TreeConfig.dynamic(3, 3, 6)
     profile = AutoProfile(costs=CostCurve((1, 4096), (1.0, 1.0 + 0.001 * 4095)))

@@ -44,7 +44,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence, Union
 
 import numpy as np
 import torch
@@ -53,8 +53,8 @@ from .calibration import Calibration
 from .costs import CostCurve, cached_cost_curve, cost_key
 from .tree import Tree
 
-__all__ = ["HEAD_PROFILE", "AutoProfile", "AutoController", "choice_order", "best_sizes", "keep_drafting",
-           "choose_tree", "choose_trees"]
+__all__ = ["HEAD_PROFILE", "AutoProfile", "AutoController", "choice_order", "node_probs", "best_sizes",
+           "keep_drafting", "choose_tree", "choose_trees"]
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +69,42 @@ HEAD_PROFILE = "auto-profile.json"
 # ---- the rule, as pure functions ------------------------------------------------------------
 
 
-def choice_order(tree: Tree) -> np.ndarray:
-    """Drafted node indices (1..N) by score descending, depth ascending, index ascending."""
+def choice_order(tree: Tree, probs: np.ndarray | None = None) -> np.ndarray:
+    """Drafted node indices (1..N) by score (or ``probs``, one per node) descending, depth
+    ascending, index ascending."""
     idx = np.arange(1, tree.num_nodes)
-    scores = tree.scores[1:].numpy().astype(np.float64)
+    key = tree.scores[1:].numpy().astype(np.float64) if probs is None else np.asarray(probs, np.float64)[1:]
     depth = tree.depth[1:].numpy()
-    return idx[np.lexsort((idx, depth, -scores))]
+    return idx[np.lexsort((idx, depth, -key))]
+
+
+Calibrations = Union[Calibration, Mapping[int, Calibration]]
+
+
+def node_probs(tree: Tree, calibration: Calibrations) -> np.ndarray:
+    """Every node's acceptance probability (root 1): its score through its source's
+    calibration (``calibration[tree.source[i]]``; one Calibration serves a tree without
+    sources), capped by its parent's, since a node is accepted only with its parent.
+
+    A single source keeps the cap idle (a child scores at most its parent, the fit is
+    monotone); with several (a lookup chain under a head's node) it keeps every prefix of
+    the choice order a tree."""
+    scores = tree.scores.numpy().astype(np.float64)
+    if tree.source is None or isinstance(calibration, Calibration):
+        cal = calibration if isinstance(calibration, Calibration) else calibration[0]
+        if tree.source is not None and bool((tree.source[1:] != 0).any()):
+            raise ValueError("this tree's nodes come from several drafters: give one calibration per source")
+        p = cal(scores)
+    else:
+        p = np.empty_like(scores)
+        src = tree.source.numpy()
+        for s in np.unique(src):
+            p[src == s] = calibration[int(s)](scores[src == s])
+        parents = tree.parents.numpy()
+        for i in range(1, p.size):  # topological order: a parent's cap is final first
+            p[i] = min(p[i], p[parents[i]])
+    p[0] = 1.0
+    return p
 
 
 def best_sizes(probs: np.ndarray, costs: CostCurve, draft_seconds, roots: int = 1) -> tuple[np.ndarray, np.ndarray]:
@@ -126,18 +156,24 @@ def keep_drafting(probs: np.ndarray, frontier_probs: np.ndarray, costs: CostCurv
     return bool(swaps * (p_f - flat[n - 1]) > J * level_seconds)
 
 
-def choose_trees(trees: Sequence[Tree], calibration: Calibration, costs: CostCurve,
+def choose_trees(trees: Sequence[Tree], calibration: Calibrations, costs: CostCurve,
                  draft_seconds: float) -> list[Tree]:
     """Each tree cut to a prefix of its choice order, the prefixes chosen jointly: the step's
     forward verifies every request's tokens at once, so the batch maximises
     ``(B + sum of chosen p) / (t_draft + t_verify(B + chosen nodes))``. For one request
-    this is the rule above. Trees without scores are verified whole."""
+    this is the rule above. Trees without scores are verified whole. ``calibration``: one,
+    or one per ``Tree.source`` code when trees mix drafters."""
     fixed = sum(t.num_drafted for t in trees if t.scores is None)
     orders, probs, owner = [], [], []
     for b, t in enumerate(trees):
-        order = choice_order(t) if t.scores is not None else np.zeros(0, dtype=np.int64)
+        if t.scores is None:
+            order, p = np.zeros(0, dtype=np.int64), np.zeros(0)
+        else:
+            p_all = node_probs(t, calibration)
+            order = choice_order(t, p_all)
+            p = p_all[order]
         orders.append(order)
-        probs.append(calibration(t.scores.numpy()[order]) if order.size else np.zeros(0))
+        probs.append(p)
         owner.append(np.full(order.size, b))
     p, owner = np.concatenate(probs), np.concatenate(owner)
     # Within a request p never increases along its order, and the sort is stable: every
@@ -152,7 +188,7 @@ def choose_trees(trees: Sequence[Tree], calibration: Calibration, costs: CostCur
     return out
 
 
-def choose_tree(tree: Tree, calibration: Calibration, costs: CostCurve, draft_seconds: float) -> Tree:
+def choose_tree(tree: Tree, calibration: Calibrations, costs: CostCurve, draft_seconds: float) -> Tree:
     """One request's tree: the best prefix of its choice order."""
     return choose_trees([tree], calibration, costs, draft_seconds)[0]
 
@@ -172,6 +208,9 @@ class AutoProfile:
                        measured) on first use.
         greedy:        calibration under greedy decoding.
         sampling:      calibration under sampling (its own: acceptance differs).
+        sources:       the calibrations of the other sources of a tree that mixes drafters
+                       (``Tree.source`` code -> {"greedy": ..., "sampling": ...}; e.g. prompt
+                       lookup grafted onto a head's tree); ``greedy``/``sampling`` are source 0.
         level_seconds: draft time of one tree level (EMA), None until measured.
         step_overhead: what a step costs beyond its draft and the curve's forward (EMA of the
                        measured remainder: verification, cache compaction, the draft's commit,
@@ -185,9 +224,19 @@ class AutoProfile:
     level_seconds: float | None = None
     step_overhead: float | None = None
     keys: dict = field(default_factory=dict)
+    sources: dict[int, dict[str, Calibration]] = field(default_factory=dict)
 
-    def calibration(self, greedy: bool) -> Calibration:
-        return self.greedy if greedy else self.sampling
+    def calibration(self, greedy: bool, source: int = 0) -> Calibration:
+        """The calibration of ``source``'s scores (0: the draft's own; others start from
+        the prior on first use)."""
+        if source == 0:
+            return self.greedy if greedy else self.sampling
+        pair = self.sources.setdefault(int(source), {"greedy": Calibration(), "sampling": Calibration()})
+        return pair["greedy" if greedy else "sampling"]
+
+    def calibrations(self, greedy: bool) -> "_BySource":
+        """Every source's calibration for one mode, indexed by ``Tree.source`` code."""
+        return _BySource(self, greedy)
 
     @classmethod
     def starting(cls, drafter=None) -> "AutoProfile":
@@ -238,6 +287,7 @@ class AutoProfile:
             "step_overhead": self.step_overhead,
             "greedy": self.greedy.to_json(),
             "sampling": self.sampling.to_json(),
+            "sources": {str(k): {m: c.to_json() for m, c in v.items()} for k, v in sorted(self.sources.items())},
         }
 
     @classmethod
@@ -251,6 +301,8 @@ class AutoProfile:
             level_seconds=data.get("level_seconds"),
             step_overhead=data.get("step_overhead"),
             keys=dict(data.get("keys") or {}),
+            sources={int(k): {m: Calibration.from_json(c) for m, c in v.items()}
+                     for k, v in (data.get("sources") or {}).items()},
         )
 
     def save(self, path) -> Path:
@@ -269,6 +321,22 @@ class AutoProfile:
 
     def copy(self) -> "AutoProfile":
         return AutoProfile.from_json(json.loads(json.dumps(self.to_json())))
+
+
+class _BySource(Mapping):
+    """One mode's calibrations of a profile by source code (created on first use)."""
+
+    def __init__(self, profile: AutoProfile, greedy: bool):
+        self.profile, self.greedy = profile, greedy
+
+    def __getitem__(self, source: int) -> Calibration:
+        return self.profile.calibration(self.greedy, source)
+
+    def __iter__(self):
+        return iter([0, *sorted(self.profile.sources)])
+
+    def __len__(self) -> int:
+        return 1 + len(self.profile.sources)
 
 
 def _diff(a: dict, b: dict) -> str:
@@ -297,7 +365,8 @@ class AutoController:
         if profile.costs is None:
             raise ValueError("the auto profile has no cost curve yet: call profile.prepare(runner, ...)")
         self.profile, self.max_nodes, self.top_k = profile, max_nodes, top_k
-        self.calibration = profile.calibration(greedy)
+        self.calibration = profile.calibration(greedy)  # the draft's own: the builder's early stop
+        self.by_source = profile.calibrations(greedy)
         self._t0 = time.perf_counter()
         self._last_stop: float | None = None  # when this step's last "keep drafting" was said
 
@@ -334,7 +403,7 @@ class AutoController:
         return max(self.profile.step_overhead or 0.0, -0.5 * float(self.profile.costs(1)))
 
     def choose(self, trees: Sequence[Tree], propose_seconds: float) -> list[Tree]:
-        return choose_trees(trees, self.calibration, self.profile.costs, propose_seconds + self.overhead)
+        return choose_trees(trees, self.by_source, self.profile.costs, propose_seconds + self.overhead)
 
     def end_step(self, tokens: int, seconds: float) -> None:
         """A step verified ``tokens`` tokens (roots included) in one forward and spent
@@ -344,8 +413,9 @@ class AutoController:
         self.profile.step_overhead = rest if old is None else (1 - OVERHEAD_EMA) * old + OVERHEAD_EMA * rest
 
     def learn(self, trees: Sequence[Tree], paths: Sequence[Sequence[int]]) -> None:
-        """Each verified drafted node is accepted iff it lies on its request's committed path."""
-        scores, accepted = [], []
+        """Each verified drafted node is accepted iff it lies on its request's committed
+        path; each source's nodes teach that source's calibration."""
+        scores, accepted, sources = [], [], []
         for t, path in zip(trees, paths):
             if t.num_drafted == 0 or t.scores is None:
                 continue
@@ -353,5 +423,9 @@ class AutoController:
             hit[list(path)] = True
             scores.append(t.scores[1:].numpy())
             accepted.append(hit[1:])
-        if scores:
-            self.calibration.observe(np.concatenate(scores), np.concatenate(accepted))
+            sources.append(np.zeros(t.num_drafted, dtype=np.int8) if t.source is None else t.source[1:].numpy())
+        if not scores:
+            return
+        scores, accepted, sources = np.concatenate(scores), np.concatenate(accepted), np.concatenate(sources)
+        for s in np.unique(sources):
+            self.by_source[int(s)].observe(scores[sources == s], accepted[sources == s])

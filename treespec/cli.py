@@ -129,9 +129,19 @@ def _tree(spec: str):
         raise UserError(f"bad tree in {spec}: {msg}" + ("" if msg == hint else f"; {hint}")) from None
 
 
+LOOKUP_SUFFIX = "+lookup"
+
+
 def _check_draft_spec(spec: str) -> None:
     """Fail before loading any model when a draft head is missing."""
     from .assets import DRAFTS, resolve_draft
+
+    if spec.endswith(LOOKUP_SUFFIX):
+        primary = spec[: -len(LOOKUP_SUFFIX)]
+        if primary in ("ngram", "none", ""):
+            raise UserError(f"--draft {spec}: '{LOOKUP_SUFFIX}' grafts prompt lookup onto a model drafter "
+                            "(a head, layers:K or model:NAME), e.g. smollm2-135m-instruct-eagle+lookup")
+        return _check_draft_spec(primary)
 
     if spec.startswith("layers:"):
         if not spec[len("layers:"):].isdigit():
@@ -155,6 +165,14 @@ def _drafter(spec: str, model, tokenizer, backend: str):
     from .drafters import ModelDrafter, NgramDrafter, load_draft
 
     _check_draft_spec(spec)
+    if spec.endswith(LOOKUP_SUFFIX):
+        from .drafters import HybridDrafter
+
+        primary, name = _drafter(spec[: -len(LOOKUP_SUFFIX)], model, tokenizer, backend)
+        try:
+            return HybridDrafter(primary), name + LOOKUP_SUFFIX
+        except ValueError as e:
+            raise UserError(str(e)) from None
     if spec == "ngram":
         return NgramDrafter(), "ngram"
     if spec == "none":
@@ -317,7 +335,8 @@ def _add_generate(sub):
                                    "committed, a summary line goes to stderr.")
     p.add_argument("--model", default=DEFAULT_MODEL, help="target: a treespec name, HF id or path")
     p.add_argument("--draft", default=DEFAULT_DRAFT,
-                   help="a shipped head name, an EAGLE head directory, 'ngram', 'layers:K' (the target's first K layers as a draft model) or 'model:NAME_OR_PATH' "
+                   help="a shipped head name, an EAGLE head directory, 'ngram', 'layers:K' (the target's first K layers as a draft model) or 'model:NAME_OR_PATH'; "
+                        "any model drafter with '+lookup' appended also grafts prompt lookup onto its trees "
                         "(default: %(default)s)")
     p.add_argument("--tree", default=DEFAULT_TREE,
                    help="a preset name or a JSON tree file (default: %(default)s: each step verifies the tree that "
@@ -404,7 +423,8 @@ def _add_bench(sub):
     p.add_argument("--model", default=DEFAULT_MODEL, help="target: a treespec name, HF id or path")
     p.add_argument("--draft", action="append", default=None,
                    help="draft to run (repeatable): a shipped head name, head directory, 'ngram' or "
-                        f"'model:NAME' (default: {DEFAULT_DRAFT})")
+                        f"'model:NAME', with '+lookup' grafting prompt lookup onto a model drafter's trees "
+                        f"(default: {DEFAULT_DRAFT})")
     p.add_argument("--tree", action="append", default=None,
                    help=f"tree to run with each draft (repeatable): preset or JSON file (default: {DEFAULT_TREE})")
     p.add_argument("--chain", type=int, default=None, metavar="K",

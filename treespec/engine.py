@@ -394,17 +394,19 @@ def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts, param
     metrics = SpecMetrics(requests=[RequestMetrics() for _ in range(B)])
     max_pos = runner.max_positions
     watch = _AcceptanceWatch(drafter)
+    # Nodes per step: the tree's, plus what the drafter grafts on top (prompt lookup).
+    max_nodes = cfg.num_nodes + drafter.extra_nodes
     with runner.attached():
         auto = None
         if cfg.auto:
             profile = auto_profile if auto_profile is not None else AutoProfile.starting(drafter)
             # The batch's trees are verified in one forward: cover up to B trees (capped).
-            profile.prepare(runner, min(B * cfg.max_tree_tokens, max(cfg.max_tree_tokens, 128)))
+            profile.prepare(runner, min(B * (max_nodes + 1), max(max_nodes + 1, 128)))
             auto = AutoController(profile, cfg.num_nodes, cfg.top_k, params[0].greedy)
         t_start = time.perf_counter()
         # One row of the cache per request, each long enough for the longest: a batch's K/V
         # are then read as a view of the cache, not gathered (PagedKVCache.add_sequences).
-        cache, seqs = runner.new_rows_cache(B, max(len(p) for p in prompts) + max_new + cfg.max_tree_tokens, page_size)
+        cache, seqs = runner.new_rows_cache(B, max(len(p) for p in prompts) + max_new + max_nodes + 1, page_size)
         needs_features = bool(runner.feature_layers)
 
         # ---- prefill: the whole prompt; its last logits give the first token ----
@@ -459,7 +461,7 @@ def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts, param
             propose_seconds = time.perf_counter() - t0
             # Trim to the budget: depth as above, nodes to the tree size and the KV room left.
             trees = [
-                t.prune(max_depth=d, max_nodes=min(cfg.num_nodes, cache.capacity(seqs[b]) - L - 1))
+                t.prune(max_depth=d, max_nodes=min(max_nodes, cache.capacity(seqs[b]) - L - 1))
                 for t, d, b, L in zip(trees, max_depth, active, committed_len)
             ]
             if auto is not None:

@@ -51,12 +51,16 @@ class Tree:
         tokens:  int64 ``[N+1]`` token ids (``tokens[0]`` is the root token), or None for
             a shape-only tree (a static preset before drafting).
         scores:  float32 ``[N+1]`` cumulative draft log-probabilities (root 0), or None.
+        source:  int8 ``[N+1]``: which drafter proposed each node when several did (see
+            :class:`~treespec.drafters.hybrid.HybridDrafter`; ``auto`` calibrates each
+            source's scores on their own), or None: one drafter.
         depth:   int64 ``[N+1]``, derived.
     """
 
     parents: torch.Tensor
     tokens: torch.Tensor | None = None
     scores: torch.Tensor | None = None
+    source: torch.Tensor | None = None
     depth: torch.Tensor = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -101,6 +105,11 @@ class Tree:
             if scores.numel() != n:
                 raise ValueError(f"scores has {scores.numel()} entries for a tree of {n} nodes")
             object.__setattr__(self, "scores", scores)
+        if self.source is not None:
+            source = torch.as_tensor(self.source, dtype=torch.int8).cpu().reshape(-1)
+            if source.numel() != n:
+                raise ValueError(f"source has {source.numel()} entries for a tree of {n} nodes")
+            object.__setattr__(self, "source", source)
 
     # ---- constructors -------------------------------------------------------------------
 
@@ -274,7 +283,7 @@ class Tree:
         return out[1:]
 
     def with_tokens(self, tokens, scores=None) -> "Tree":
-        return Tree(self.parents, tokens, scores)
+        return Tree(self.parents, tokens, scores, self.source)
 
     def prune(self, max_nodes: int | None = None, max_depth: int | None = None) -> "Tree":
         """Keep nodes with ``depth <= max_depth`` and then the first ``max_nodes`` drafted ones.
@@ -295,7 +304,7 @@ class Tree:
 
     def subtree(self, nodes: Sequence[int]) -> "Tree":
         """The tree of the root and ``nodes`` (drafted node indices, an ancestor-closed set),
-        renumbered in their index order, tokens and scores kept."""
+        renumbered in their index order, tokens, scores and sources kept."""
         keep = torch.zeros(self.num_nodes, dtype=torch.bool)
         keep[0] = True
         if len(nodes):
@@ -308,7 +317,8 @@ class Tree:
         parents = torch.where(self.parents[idx] >= 0, remap[self.parents[idx].clamp(min=0)], -1)
         tokens = None if self.tokens is None else self.tokens[idx]
         scores = None if self.scores is None else self.scores[idx]
-        return Tree(parents, tokens, scores)
+        source = None if self.source is None else self.source[idx]
+        return Tree(parents, tokens, scores, source)
 
     def __repr__(self) -> str:
         return f"Tree(num_drafted={self.num_drafted}, max_depth={self.max_depth})"

@@ -48,7 +48,7 @@ def tune(model, drafter, prompts: Sequence[Sequence[int]], tree: TreeConfig | st
 
         runner = ModelRunner(model, attention_backend)
         with runner.attached():
-            profile.prepare(runner, cfg.max_tree_tokens, refresh=True)
+            profile.prepare(runner, cfg.max_tree_tokens + getattr(drafter, "extra_nodes", 0), refresh=True)
     result = TuneResult(profile)
     for i, p in enumerate(prompts):
         out = generate(model, drafter, cfg, list(p), max_new_tokens=max_new_tokens, temperature=temperature,
@@ -109,7 +109,11 @@ def save_tune_plots(profile: AutoProfile, tree_sizes: Sequence[int], out_dir, pr
     ax.plot(centres, profile.greedy.prior, color="#999999", ls="--", label="prior exp(score)")
     upper = np.array(profile.greedy.edges)
     lower = 2 * centres - upper  # each bar spans its bin
-    for name, cal in (("greedy", profile.greedy), ("sampling", profile.sampling)):
+    from .drafters.hybrid import SOURCE_NAMES
+
+    curves = [("greedy", profile.greedy), ("sampling", profile.sampling)]
+    curves += [(f"{SOURCE_NAMES.get(k, k)}, {m}", c) for k, v in sorted(profile.sources.items()) for m, c in v.items()]
+    for name, cal in curves:
         if cal.num_observed:
             line, = ax.plot(centres, cal.fitted(), marker="o", label=f"{name}: fitted ({cal.num_observed} nodes)")
             counts.bar(lower, cal.seen, width=upper - lower, align="edge", alpha=0.2, color=line.get_color())

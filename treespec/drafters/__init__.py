@@ -5,5 +5,6 @@ from .model import ModelDrafter
 from .ngram import NgramDrafter
 from .none import NoDrafter
 from .eagle import Eagle3Drafter, EagleDrafter, EagleHead, load_draft
+from .hybrid import HybridDrafter
 
-__all__ = ["Drafter", "DraftSession", "DraftStart", "ModelDrafter", "NgramDrafter", "NoDrafter", "EagleDrafter", "Eagle3Drafter", "EagleHead", "load_draft"]
+__all__ = ["Drafter", "DraftSession", "DraftStart", "ModelDrafter", "NgramDrafter", "NoDrafter", "EagleDrafter", "Eagle3Drafter", "EagleHead", "HybridDrafter", "load_draft"]

@@ -72,6 +72,10 @@ class Drafter(ABC):
     feature_layers: tuple[int, ...] | None = None
     #: whether trees from this drafter carry sampled (not top-k) drafts with distributions.
     samples: bool = False
+    #: drafted nodes this drafter may add on top of the tree config's ``num_nodes`` (the
+    #: engine's budget and cache room per step): prompt lookup grafted onto a model's
+    #: tree (:class:`~treespec.drafters.hybrid.HybridDrafter`).
+    extra_nodes: int = 0
     #: the calibrations (greedy, sampling) an ``auto`` tree starts from when no profile is
     #: given, e.g. read from a head directory's ``auto-profile.json``; None: the prior.
     auto_calibration: tuple[Calibration, Calibration] | None = None
