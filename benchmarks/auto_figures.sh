@@ -4,7 +4,9 @@
 # temperature 1 on GSM8K test (first 10), and prompt lookup where it finds little (chat
 # prompts sampled at temperature 1: text without repeats) beside treespec without a draft.
 # bf16, packed weights, 256 new tokens, on a quiet machine (nothing else on the cores).
-# TREES narrows the trees run, TAG renames the outputs. Each step writes its JSON/TXT under
+# TREES narrows the trees run, EXTRA adds DRAFT@TREE configs (e.g. the head alone beside
+# HEAD=smollm2-135m-instruct-eagle+lookup), HF_LOOKUP=1 adds transformers' prompt lookup,
+# TAG renames the outputs. Each step writes its JSON/TXT under
 # benchmarks/results/ and is skipped when that file exists: rerun to resume.
 #
 #   bash benchmarks/auto_figures.sh 2>&1 | tee /tmp/auto_figures.log
@@ -21,11 +23,15 @@ source benchmarks/steps.sh
 CONFIGS=()
 TREES=${TREES:-"chain-1 chain-2 chain-3 chain-4 cpu-tiny cpu eagle2 auto"}
 for t in $TREES; do CONFIGS+=(--config "$HEAD@$t"); done
+for c in ${EXTRA:-}; do CONFIGS+=(--config "$c"); done
+LOOKUP=--no-hf-lookup
+[ -n "${HF_LOOKUP:-}" ] && LOOKUP=
+
 step gsm8k $R/$TAG-gsm8k50-bf16.json treespec bench --dtype bfloat16 --dataset gsm8k \
-  --num-prompts 50 --max-new-tokens 256 --no-hf-lookup --no-treespec-ar "${CONFIGS[@]}" \
+  --num-prompts 50 --max-new-tokens 256 $LOOKUP --no-treespec-ar "${CONFIGS[@]}" \
   --auto-profile $P --out $R/$TAG-gsm8k50-bf16.json
 step humaneval $R/$TAG-humaneval20-bf16.json treespec bench --dtype bfloat16 --dataset humaneval \
-  --num-prompts 20 --max-new-tokens 256 --no-hf-lookup --no-treespec-ar "${CONFIGS[@]}" \
+  --num-prompts 20 --max-new-tokens 256 $LOOKUP --no-treespec-ar "${CONFIGS[@]}" \
   --auto-profile $P --out $R/$TAG-humaneval20-bf16.json
 step t1 $R/$TAG-gsm8k10-t1-bf16.json treespec bench --dtype bfloat16 --dataset gsm8k \
   --num-prompts 10 --max-new-tokens 256 --temperature 1 --no-hf-lookup --no-treespec-ar "${CONFIGS[@]}" \

@@ -16,6 +16,11 @@ verifies the n in 0..N that maximises
 
 n = 0 (the root alone: no speculation) included.
 
+Two drafters in one tree (prompt lookup grafted onto a head's tree, ``Tree.source``): each
+source's scores go through its own calibration, and each node's p is capped at its
+parent's (it is accepted only with its parent); the order is then by p descending, depth
+ascending, index ascending, and every prefix is still a tree.
+
 Early stop. After each draft level, with J* the best rate so far, n* its size and p_f the
 calibrated probability of the best frontier score (no deeper node can beat it), m more
 nodes each worth at most p_f raise the rate only if
