@@ -372,3 +372,22 @@ def test_tree_show_prompt_highlights_the_accepted_path(capsys, tmp_path, lm_dir)
     assert rc == 0, err
     assert png.read_bytes()[:8] == PNG
     assert "16 drafted nodes, 5 accepted" in out
+
+
+def test_tree_show_with_lookup_grafted(capsys, tmp_path, lm_dir):
+    """A hybrid's tree is drawn as the engine verified it: the lookup's nodes on top of the
+    preset's budget (the recording wrapper keeps ``extra_nodes``)."""
+    from treespec.cli import _recording
+    from treespec.drafters import Drafter, HybridDrafter
+
+    class Fake(Drafter):  # a bare drafter standing in for a model drafter
+        def start(self, model, ctx):
+            raise AssertionError
+
+    assert _recording(HybridDrafter(Fake())).extra_nodes == 10
+    png = tmp_path / "h.png"
+    rc, out, err = run(capsys, "tree", "show", "cpu", "--prompt", "Once upon a time, once upon a time, once upon a",
+                       "--model", lm_dir, "--draft", f"model:{lm_dir}+lookup", "--out", str(png))
+    assert rc == 0, err
+    assert png.read_bytes()[:8] == PNG
+    assert 16 <= int(re.search(r"\((\d+) drafted nodes", out).group(1)) <= 16 + 10

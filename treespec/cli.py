@@ -662,7 +662,7 @@ def _recording(inner):
             self.session.finish(request)
 
     class Recording(Drafter):
-        feature_layers, samples = inner.feature_layers, inner.samples
+        feature_layers, samples, extra_nodes = inner.feature_layers, inner.samples, inner.extra_nodes
 
         def __init__(self):
             self.trees = []
@@ -720,7 +720,7 @@ def _tree_show(args):
     if not rec.trees or 1 not in tokens:
         raise UserError(f"{args.model} ended its reply at the first token: there is no tree to draw")
     (tree,), (depth,) = rec.trees[0]
-    tree = tree.prune(max_depth=depth, max_nodes=cfg.num_nodes)  # as the engine verified it
+    tree = tree.prune(max_depth=depth, max_nodes=cfg.num_nodes + drafter.extra_nodes)  # as the engine verified it
     # The committed tokens are the accepted drafts then the bonus: follow them down the tree.
     path, node = [0], 0
     children = {}
