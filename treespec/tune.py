@@ -111,7 +111,8 @@ def save_tune_plots(profile: AutoProfile, tree_sizes: Sequence[int], out_dir, pr
     lower = 2 * centres - upper  # each bar spans its bin
     from .drafters.hybrid import SOURCE_NAMES
 
-    curves = [("greedy", profile.greedy), ("sampling", profile.sampling)]
+    own = "draft, " if profile.sources else ""  # the head's own nodes, beside a grafted lookup's
+    curves = [(f"{own}greedy", profile.greedy), (f"{own}sampling", profile.sampling)]
     curves += [(f"{SOURCE_NAMES.get(k, k)}, {m}", c) for k, v in sorted(profile.sources.items()) for m, c in v.items()]
     for name, cal in curves:
         if cal.num_observed:
