@@ -600,3 +600,53 @@ def test_tune_refuses_a_fixed_tree(capsys, lm_dir, tmp_path):
     rc = cli.main(["tune", "--model", lm_dir, "--tree", "cpu", "--out", str(tmp_path / "x.json")])
     _, err = capsys.readouterr()
     assert rc == 2 and "not an auto tree" in err
+
+
+# ---- the "rate" objective ---------------------------------------------------------------------
+
+
+LINEAR = CostCurve((1, 2, 128), (1.0, 1.25, 32.75))  # a quarter step per extra token
+
+
+def test_rate_objective_drops_the_doubtful_steps_nodes():
+    """Steps of two kinds, alternating: confident (p = 0.9) and doubtful (p = 0.3) nodes, a
+    quarter step per token. Each step's own ratio says verify all 8 nodes of both (0.3 > 0.25
+    of the step's rate at the margin); the generation's rate R is higher than a doubtful
+    step's, and a node pays only when p > R / 4, so the rate rule verifies the doubtful step's
+    root alone and the whole generation is faster."""
+    sure, doubt = np.full(8, 0.9), np.full(8, 0.3)
+    assert best_sizes(sure, LINEAR, 0.0)[0][0] == 8 and best_sizes(doubt, LINEAR, 0.0)[0][0] == 8
+
+    def run(rate_rule: bool) -> float:
+        tokens = seconds = 0.0
+        for p in [sure, doubt] * 20:
+            rate = tokens / seconds if rate_rule and seconds else None
+            n = int(best_sizes(p, LINEAR, 0.0, rate=rate)[0][0])
+            tokens += 1 + p[:n].sum()
+            seconds += float(LINEAR(1 + n))
+        return tokens / seconds
+
+    assert best_sizes(doubt, LINEAR, 0.0, rate=1.9)[0][0] == 0
+    assert best_sizes(sure, LINEAR, 0.0, rate=1.9)[0][0] == 8
+    assert run(True) > 1.15 * run(False)
+
+
+def test_rate_objective_in_the_controller():
+    """R is the tokens committed per modelled step second (draft + overhead + the curve's
+    verify); None before a step ends and for the "step" objective."""
+    profile = AutoProfile(costs=LINEAR, step_overhead=0.0)
+    ctl = AutoController(profile, max_nodes=8, top_k=2, greedy=True, objective="rate")
+    assert ctl.rate is None
+    tree = Tree([-1, 0, 1], [0, 1, 2], [0.0, -0.1, -0.2])
+    ctl.begin_step()
+    chosen = ctl.choose([tree], propose_seconds=0.5)
+    ctl.learn(chosen, [[0, 1]])  # committed 2 tokens
+    ctl.end_step(chosen[0].num_nodes, 2.0)
+    assert ctl.rate == pytest.approx(2 / (0.5 + float(LINEAR(chosen[0].num_nodes))))
+    step = AutoController(profile, max_nodes=8, top_k=2, greedy=True)
+    assert step.rate is None
+    with pytest.raises(ValueError, match="objective"):
+        AutoController(profile, max_nodes=8, top_k=2, greedy=True, objective="fastest")
+    with pytest.raises(ValueError, match="auto trees only"):
+        TreeConfig("dynamic", 3, 2, 4, objective="rate")
+    assert TreeConfig.preset("auto-rate").objective == "rate"

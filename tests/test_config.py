@@ -41,8 +41,9 @@ def test_every_preset_builds(name):
         assert int(shape.children_count().max()) == config.top_k
         assert config.describe().startswith("chain(" if config.is_chain else "static(")
     elif config.auto:
+        rule = "" if config.objective == "step" else f", objective={config.objective}"
         assert config.describe() == (
-            f"auto(max_depth={config.depth}, top_k={config.top_k}, max_nodes={config.num_nodes})"
+            f"auto(max_depth={config.depth}, top_k={config.top_k}, max_nodes={config.num_nodes}{rule})"
         )
     else:
         assert config.describe() == (

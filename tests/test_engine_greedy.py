@@ -82,8 +82,10 @@ def random_dynamic():
 
 
 def random_auto():
-    """The "auto" preset, or auto sizing within a random dynamic maximum."""
-    return st.one_of(st.just("auto"), random_dynamic().map(lambda c: TreeConfig.auto(c.depth, c.top_k, c.num_nodes)))
+    """The "auto" presets, or auto sizing within a random dynamic maximum, either objective."""
+    sized = st.tuples(random_dynamic(), st.sampled_from(["step", "rate"]))
+    return st.one_of(st.sampled_from(["auto", "auto-rate"]),
+                     sized.map(lambda c: TreeConfig.auto(c[0].depth, c[0].top_k, c[0].num_nodes, c[1])))
 
 
 tree_configs = st.one_of(

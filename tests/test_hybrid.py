@@ -203,3 +203,32 @@ def test_cli_lookup_suffix(capsys, tmp_path):
     rc = cli.main(["bench", "--model", lm, "--config", "ngram+lookup@chain-2", "--num-prompts", "1"])
     _, err = capsys.readouterr()
     assert rc == 2 and "grafts prompt lookup onto a model drafter" in err
+
+
+def test_early_stop_weighs_the_lookup_nodes_announced_before_drafting():
+    """A confident lookup chain raises what the step already expects: a doubtful head level
+    that would pay alone no longer does, so drafting stops."""
+    profile = AutoProfile(costs=MID, level_seconds=0.02, step_overhead=0.0)
+    profile.greedy = constant(0.5)
+    profile.sources[LOOKUP] = {"greedy": constant(0.97), "sampling": Calibration()}
+    pool = torch.full((1, 4), -0.7)
+    frontier = torch.full((1, 2), -0.7)
+
+    def stops(with_lookup: bool) -> bool:
+        ctl = AutoController(profile, max_nodes=16, top_k=2, greedy=True)
+        ctl.begin_step()
+        if with_lookup:
+            chain = Tree([-1, 0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 6], [0.0] + [-0.1 * d for d in range(1, 7)],
+                         [PRIMARY] + [LOOKUP] * 6)
+            ctl.candidates([chain])
+        return ctl.stop(1, frontier, pool)
+
+    assert not stops(False) and stops(True)
+
+
+def test_the_root_caps_nothing():
+    """The root is committed whatever happens (p = 1): its score, through any calibration,
+    must not cap its children."""
+    t = Tree([-1, 0, 1], [0, 1, 2], [0.0, -0.1, -0.2], [PRIMARY, LOOKUP, LOOKUP])
+    p = node_probs(t, {PRIMARY: constant(0.2), LOOKUP: constant(0.9)})
+    assert p.tolist() == pytest.approx([1.0, 0.9, 0.9])

@@ -65,6 +65,7 @@ log = logging.getLogger(__name__)
 
 LEVEL_EMA = 0.2  # weight of the newest measurement of one level's draft time
 OVERHEAD_EMA = 0.1  # weight of the newest step's measured overhead
+RATE_EMA = 0.05  # least weight of the newest step in the achieved rate ("rate" objective)
 #: A head directory's ``auto`` profile (written by ``treespec tune --out``): its calibrations
 #: are where ``auto`` starts for that head when no profile is given; its cost curve, measured
 #: on some other machine, is not used.
@@ -105,6 +106,7 @@ def node_probs(tree: Tree, calibration: Calibrations) -> np.ndarray:
         src = tree.source.numpy()
         for s in np.unique(src):
             p[src == s] = calibration[int(s)](scores[src == s])
+        p[0] = 1.0
         parents = tree.parents.numpy()
         for i in range(1, p.size):  # topological order: a parent's cap is final first
             p[i] = min(p[i], p[parents[i]])
@@ -112,8 +114,10 @@ def node_probs(tree: Tree, calibration: Calibrations) -> np.ndarray:
     return p
 
 
-def best_sizes(probs: np.ndarray, costs: CostCurve, draft_seconds, roots: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """The n maximising ``J(n) = (roots + p_1 + ... + p_n) / (t_draft + t_verify(roots + n))``.
+def best_sizes(probs: np.ndarray, costs: CostCurve, draft_seconds, roots: int = 1,
+               rate: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The n maximising ``J(n) = (roots + p_1 + ... + p_n) / (t_draft + t_verify(roots + n))``,
+    or, given the generation's achieved ``rate``, ``E(n) - rate * t_verify(roots + n)``.
 
     Args:
         probs:         float ``[R, N]``: per row, acceptance probabilities in choice order
@@ -121,6 +125,7 @@ def best_sizes(probs: np.ndarray, costs: CostCurve, draft_seconds, roots: int = 
         costs:         the verify cost curve.
         draft_seconds: scalar or ``[R]``: this step's draft time.
         roots:         roots verified with the nodes (1 per request of the forward).
+        rate:          tokens per second achieved so far (the ``"rate"`` objective), or None.
     Returns:
         ``(n [R] int, J(n) [R])``; ties go to the smaller tree.
     """
@@ -128,14 +133,15 @@ def best_sizes(probs: np.ndarray, costs: CostCurve, draft_seconds, roots: int = 
     R, N = probs.shape
     E = roots + np.concatenate([np.zeros((R, 1)), np.cumsum(probs, axis=1)], axis=1)  # [R, N+1]
     T = np.asarray(draft_seconds, dtype=np.float64).reshape(-1, 1) + costs(roots + np.arange(N + 1))[None]
-    rate = E / T
-    n = rate.argmax(axis=1)
-    return n, rate[np.arange(R), n]
+    J = E / T
+    n = J.argmax(axis=1) if rate is None else (E - rate * T).argmax(axis=1)
+    return n, J[np.arange(R), n]
 
 
 def keep_drafting(probs: np.ndarray, frontier_probs: np.ndarray, costs: CostCurve, draft_seconds: float,
-                  level_seconds: float, max_nodes: int, width: int) -> bool:
-    """Whether one more draft level could raise the batch's best rate.
+                  level_seconds: float, max_nodes: int, width: int, rate: float | None = None) -> bool:
+    """Whether one more draft level could raise the batch's best rate (or, given the
+    generation's ``rate``, add more expected tokens than ``rate`` times its cost).
 
     Args:
         probs:          float ``[B, P]``: each request's pool probabilities, descending.
@@ -145,11 +151,13 @@ def keep_drafting(probs: np.ndarray, frontier_probs: np.ndarray, costs: CostCurv
         level_seconds:  estimated time of one more level (t_level).
         max_nodes:      N_max, the most nodes a request's tree may verify.
         width:          top-k: one level adds at most k*k candidates per request.
+        rate:           the ``"rate"`` objective's bar, or None (the step's best rate).
     """
     probs = np.atleast_2d(probs)[:, :max_nodes]
     B = probs.shape[0]
     flat = -np.sort(-probs.ravel())  # the batch's candidates, best first
-    n, J = (x[0] for x in best_sizes(flat[None], costs, draft_seconds, roots=B))
+    n, J = (x[0] for x in best_sizes(flat[None], costs, draft_seconds, roots=B, rate=rate))
+    J = J if rate is None else rate
     p_f = float(np.max(frontier_probs))
     room = min(B * max_nodes - int(n), B * width * width)
     if room >= 1:
@@ -162,12 +170,13 @@ def keep_drafting(probs: np.ndarray, frontier_probs: np.ndarray, costs: CostCurv
 
 
 def choose_trees(trees: Sequence[Tree], calibration: Calibrations, costs: CostCurve,
-                 draft_seconds: float) -> list[Tree]:
+                 draft_seconds: float, rate: float | None = None) -> list[Tree]:
     """Each tree cut to a prefix of its choice order, the prefixes chosen jointly: the step's
     forward verifies every request's tokens at once, so the batch maximises
     ``(B + sum of chosen p) / (t_draft + t_verify(B + chosen nodes))``. For one request
     this is the rule above. Trees without scores are verified whole. ``calibration``: one,
-    or one per ``Tree.source`` code when trees mix drafters."""
+    or one per ``Tree.source`` code when trees mix drafters; ``rate``: the ``"rate"``
+    objective's bar (see :func:`best_sizes`)."""
     fixed = sum(t.num_drafted for t in trees if t.scores is None)
     orders, probs, owner = [], [], []
     for b, t in enumerate(trees):
@@ -184,7 +193,7 @@ def choose_trees(trees: Sequence[Tree], calibration: Calibrations, costs: CostCu
     # Within a request p never increases along its order, and the sort is stable: every
     # prefix of the merged order is a prefix of each request's order.
     merged = np.argsort(-p, kind="stable")
-    n = int(best_sizes(p[merged][None], costs, draft_seconds, roots=len(trees) + fixed)[0][0])
+    n = int(best_sizes(p[merged][None], costs, draft_seconds, roots=len(trees) + fixed, rate=rate)[0][0])
     counts = np.bincount(owner[merged[:n]], minlength=len(trees))
     out = []
     for t, order, k in zip(trees, orders, counts.tolist()):
@@ -193,9 +202,10 @@ def choose_trees(trees: Sequence[Tree], calibration: Calibrations, costs: CostCu
     return out
 
 
-def choose_tree(tree: Tree, calibration: Calibrations, costs: CostCurve, draft_seconds: float) -> Tree:
+def choose_tree(tree: Tree, calibration: Calibrations, costs: CostCurve, draft_seconds: float,
+                rate: float | None = None) -> Tree:
     """One request's tree: the best prefix of its choice order."""
-    return choose_trees([tree], calibration, costs, draft_seconds)[0]
+    return choose_trees([tree], calibration, costs, draft_seconds, rate)[0]
 
 
 # ---- the profile: what is measured and learned ----------------------------------------------
@@ -364,20 +374,55 @@ class AutoController:
     ``step_overhead``, learned here, joins each step's draft time in the rule's denominator.
     Leaving it out would price every token as if a step had no fixed cost, and so choose
     trees smaller than pay.
+
+    ``objective="rate"``: the bar a node must clear is the generation's achieved rate R (the
+    tokens committed per modelled step second, t_draft + t_step + t_verify, averaged with
+    weight ``max(1/steps, RATE_EMA)``; the step's own best rate until a step has ended).
+    By the renewal-reward argument a generation's rate is highest when every step maximises
+    E(n) - R * T(n): the step's own ratio asks too much of nodes on confident steps and too
+    little on doubtful ones, which matters where steps differ a lot.
+
+    A drafter that adds nodes beside the builder's (prompt lookup in a
+    :class:`~treespec.drafters.hybrid.HybridDrafter`) hands them to :meth:`candidates`
+    before drafting, so the early stop weighs them too.
     """
 
-    def __init__(self, profile: AutoProfile, max_nodes: int, top_k: int, greedy: bool):
+    def __init__(self, profile: AutoProfile, max_nodes: int, top_k: int, greedy: bool, objective: str = "step"):
         if profile.costs is None:
             raise ValueError("the auto profile has no cost curve yet: call profile.prepare(runner, ...)")
-        self.profile, self.max_nodes, self.top_k = profile, max_nodes, top_k
+        if objective not in ("step", "rate"):
+            raise ValueError(f"objective must be 'step' or 'rate', got {objective!r}")
+        self.profile, self.max_nodes, self.top_k, self.objective = profile, max_nodes, top_k, objective
         self.calibration = profile.calibration(greedy)  # the draft's own: the builder's early stop
         self.by_source = profile.calibrations(greedy)
         self._t0 = time.perf_counter()
         self._last_stop: float | None = None  # when this step's last "keep drafting" was said
+        self._extra: np.ndarray | None = None  # [B, E] probabilities of this step's other nodes
+        self._modelled: float | None = None  # this step's t_draft + t_step, once chosen
+        self._steps, self._tokens, self._seconds = 0, 0.0, 0.0
+        self._committed = 0  # tokens this step committed, once learned
+
+    @property
+    def rate(self) -> float | None:
+        """The ``"rate"`` objective's bar (tokens per modelled second), None for ``"step"``
+        or before the first step has ended."""
+        if self.objective != "rate" or self._steps == 0:
+            return None
+        return self._tokens / self._seconds
 
     def begin_step(self) -> None:
         self._t0 = time.perf_counter()
         self._last_stop = None
+        self._extra = None
+        self._modelled = None
+        self._committed = 0
+
+    def candidates(self, trees: Sequence[Tree]) -> None:
+        """This step's nodes from another drafter (one tree per request, in the order the
+        builder drafts them, ``Tree.source`` set): the early stop counts them as drafted."""
+        rows = [node_probs(t, self.by_source)[1:] for t in trees]
+        width = max((r.size for r in rows), default=0)
+        self._extra = np.stack([np.pad(r, (0, width - r.size)) for r in rows]) if width else None
 
     def stop(self, depth: int, frontier_scores: torch.Tensor, pool_scores: torch.Tensor) -> bool:
         """Builder callback after level ``depth``: True ends drafting for the whole batch.
@@ -394,10 +439,14 @@ class AutoController:
             self.profile.level_seconds = gap if old is None else (1 - LEVEL_EMA) * old + LEVEL_EMA * gap
         pool = pool_scores.detach().float().cpu().numpy().astype(np.float64)
         probs = self.calibration(-np.sort(-pool, axis=1))
+        max_nodes = self.max_nodes
+        if self._extra is not None and self._extra.shape[0] == probs.shape[0]:
+            probs = -np.sort(-np.concatenate([probs, self._extra], axis=1), axis=1)
+            max_nodes += self._extra.shape[1]
         p_f = self.calibration(frontier_scores.detach().float().cpu().numpy().max(axis=1))
         # Unmeasured yet: assume a level is free, so the next step drafts one and measures it.
         go = keep_drafting(probs, p_f, self.profile.costs, now - self._t0 + self.overhead,
-                           self.profile.level_seconds or 0.0, self.max_nodes, self.top_k)
+                           self.profile.level_seconds or 0.0, max_nodes, self.top_k, self.rate)
         self._last_stop = now if go else None
         return not go
 
@@ -408,7 +457,8 @@ class AutoController:
         return max(self.profile.step_overhead or 0.0, -0.5 * float(self.profile.costs(1)))
 
     def choose(self, trees: Sequence[Tree], propose_seconds: float) -> list[Tree]:
-        return choose_trees(trees, self.by_source, self.profile.costs, propose_seconds + self.overhead)
+        self._modelled = propose_seconds + self.overhead
+        return choose_trees(trees, self.by_source, self.profile.costs, self._modelled, self.rate)
 
     def end_step(self, tokens: int, seconds: float) -> None:
         """A step verified ``tokens`` tokens (roots included) in one forward and spent
@@ -416,11 +466,17 @@ class AutoController:
         rest = seconds - float(self.profile.costs(tokens))
         old = self.profile.step_overhead
         self.profile.step_overhead = rest if old is None else (1 - OVERHEAD_EMA) * old + OVERHEAD_EMA * rest
+        if self._modelled is not None and self._committed:
+            self._steps += 1
+            w = max(1.0 / self._steps, RATE_EMA)
+            self._tokens = (1 - w) * self._tokens + w * self._committed
+            self._seconds = (1 - w) * self._seconds + w * (self._modelled + float(self.profile.costs(tokens)))
 
     def learn(self, trees: Sequence[Tree], paths: Sequence[Sequence[int]]) -> None:
         """Each verified drafted node is accepted iff it lies on its request's committed
         path; each source's nodes teach that source's calibration."""
         scores, accepted, sources = [], [], []
+        self._committed = sum(len(path) for path in paths)  # roots and accepted nodes: tokens committed
         for t, path in zip(trees, paths):
             if t.num_drafted == 0 or t.scores is None:
                 continue

@@ -34,6 +34,9 @@ class TreeConfig:
     Auto (``TreeConfig.auto(...)``, ``auto=True``, dynamic only): depth, top_k and
         num_nodes are maxima; each step verifies the part of the drafted tree that maximises
         expected tokens per second (:mod:`treespec.auto`).
+        objective: ``"step"`` (each step's own expected rate) or ``"rate"`` (the
+                   generation's: a node pays when its probability beats the rate achieved
+                   so far times its cost).
     """
 
     kind: str
@@ -42,6 +45,7 @@ class TreeConfig:
     num_nodes: int
     paths: tuple[tuple[int, ...], ...] | None = None
     auto: bool = False  # size each step's tree by cost (treespec.auto); the constructor is set below
+    objective: str = "step"  # auto only: what the size maximises (treespec.auto)
 
     def __post_init__(self):
         if self.kind not in ("dynamic", "static"):
@@ -66,6 +70,10 @@ class TreeConfig:
             raise ValueError(f"auto must be a bool, got {self.auto!r}")
         if self.auto and self.kind != "dynamic":
             raise ValueError("auto sizing needs a dynamic TreeConfig: a static shape has nothing to choose")
+        if self.objective not in ("step", "rate"):
+            raise ValueError(f"objective must be 'step' or 'rate', got {self.objective!r}")
+        if self.objective != "step" and not self.auto:
+            raise ValueError("objective applies to auto trees only (TreeConfig.auto(..., objective=...))")
 
     # ---- constructors -------------------------------------------------------------------
 
@@ -143,7 +151,8 @@ class TreeConfig:
 
     def describe(self) -> str:
         if self.auto:
-            return f"auto(max_depth={self.depth}, top_k={self.top_k}, max_nodes={self.num_nodes})"
+            rule = "" if self.objective == "step" else f", objective={self.objective}"
+            return f"auto(max_depth={self.depth}, top_k={self.top_k}, max_nodes={self.num_nodes}{rule})"
         if self.kind == "dynamic":
             return f"dynamic(depth={self.depth}, top_k={self.top_k}, num_nodes={self.num_nodes})"
         if self.is_chain:
@@ -151,11 +160,13 @@ class TreeConfig:
         return f"static({self.num_nodes} nodes, depth {self.depth})"
 
 
-def _auto(cls, max_depth: int = 6, top_k: int = 8, max_nodes: int = 32) -> TreeConfig:
+def _auto(cls, max_depth: int = 6, top_k: int = 8, max_nodes: int = 32, objective: str = "step") -> TreeConfig:
     """Cost-aware trees: draft EAGLE-2 style up to ``max_depth`` levels of ``top_k``, then
     verify each step the best-scoring part of at most ``max_nodes`` nodes that maximises
-    expected tokens per second (possibly the root alone); see :mod:`treespec.auto`."""
-    return cls("dynamic", max_depth, top_k, max_nodes, auto=True)
+    expected tokens per second (possibly the root alone); see :mod:`treespec.auto`.
+    ``objective="rate"`` values each node against the generation's achieved rate instead of
+    the step's own."""
+    return cls("dynamic", max_depth, top_k, max_nodes, auto=True, objective=objective)
 
 
 # Set after the class: a method named like the field would become the field's default.
@@ -226,6 +237,13 @@ def _presets() -> Mapping[str, Preset]:
         "calibrated draft scores, from the root alone up to 32 nodes; 32 is the most a 2-core CPU "
         "ever pays for (a 33-token verify costs about 2.4 decode steps there), top-k 8 lets it go "
         "wide where the draft is unsure",
+    )
+    p["auto-rate"] = Preset(
+        TreeConfig.auto(max_depth=6, top_k=8, max_nodes=32, objective="rate"),
+        "auto with the generation's rate as the bar: a node is verified when its calibrated "
+        "probability beats the tokens per second achieved so far times its verify cost; where "
+        "steps differ a lot (prompt lookup's long chains beside a head's short ones) this is "
+        "what maximises the whole generation's speed",
     )
     p["eagle1"] = Preset(
         TreeConfig.static(_EAGLE1_TREE),

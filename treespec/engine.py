@@ -402,7 +402,7 @@ def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts, param
             profile = auto_profile if auto_profile is not None else AutoProfile.starting(drafter)
             # The batch's trees are verified in one forward: cover up to B trees (capped).
             profile.prepare(runner, min(B * (max_nodes + 1), max(max_nodes + 1, 128)))
-            auto = AutoController(profile, cfg.num_nodes, cfg.top_k, params[0].greedy)
+            auto = AutoController(profile, cfg.num_nodes, cfg.top_k, params[0].greedy, cfg.objective)
         t_start = time.perf_counter()
         # One row of the cache per request, each long enough for the longest: a batch's K/V
         # are then read as a view of the cache, not gathered (PagedKVCache.add_sequences).
@@ -433,6 +433,7 @@ def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts, param
             prompts=[list(p) for p in prompts], first_tokens=first,
             features=out.features if needs_features else None, max_new_tokens=max_new, tree_cfg=cfg,
             stop=auto.stop if auto is not None else None,
+            candidates=auto.candidates if auto is not None else None,
         ))
         for b in range(B):
             if done[b]:

@@ -42,6 +42,9 @@ class DraftStart:
         tree_cfg:     the tree configuration of this generation.
         stop:         for dynamic trees, the builder's early-stop rule
                       (:data:`treespec.builder.StopRule`), or None: draft every level.
+        candidates:   with ``auto`` trees, where a drafter that adds nodes beside the
+                      builder's (one tree per request, ``Tree.source`` set) announces them
+                      before drafting, so that the early stop weighs them; or None.
     """
 
     prompts: list[list[int]]
@@ -50,6 +53,7 @@ class DraftStart:
     max_new_tokens: int
     tree_cfg: TreeConfig
     stop: Callable[[int, torch.Tensor, torch.Tensor], bool] | None = None
+    candidates: Callable[[Sequence[Tree]], None] | None = None
 
 
 class DraftSession(ABC):

@@ -101,18 +101,21 @@ class HybridDrafter(Drafter):
         return self.primary.features_for(model)
 
     def start(self, model, ctx: DraftStart) -> "HybridSession":
-        return HybridSession(self.primary.start(model, ctx), self.lookup.start(model, ctx))
+        return HybridSession(self.primary.start(model, ctx), self.lookup.start(model, ctx), ctx.candidates)
 
     def __repr__(self):
         return f"HybridDrafter({self.primary!r}, {self.lookup!r})"
 
 
 class HybridSession(DraftSession):
-    def __init__(self, primary: DraftSession, lookup: DraftSession):
-        self.primary, self.lookup = primary, lookup
+    def __init__(self, primary: DraftSession, lookup: DraftSession, candidates=None):
+        self.primary, self.lookup, self.candidates = primary, lookup, candidates
 
     def propose(self, requests: Sequence[int], roots: Sequence[int], max_depth: Sequence[int]) -> list[Tree]:
         extra = self.lookup.propose(requests, roots, max_depth)
+        if self.candidates is not None:  # auto: the early stop weighs the lookup's nodes too
+            self.candidates([Tree(e.parents, e.tokens, e.scores, [PRIMARY] + [LOOKUP] * e.num_drafted)
+                             for e in extra])
         trees = self.primary.propose(requests, roots, max_depth)
         # A tree without lookup nodes needs no sources: ``auto`` reads None as all primary.
         return [merge_trees(t, e) if e.num_drafted else t for t, e in zip(trees, extra)]
