@@ -171,6 +171,7 @@ def test_hybrid_grafts_lookup_on_top_of_the_budget():
     head = ModelDrafter(tiny_model("llama", 1000, layers=1))
     hybrid = HybridDrafter(head, NgramDrafter(max_ngram=2, min_ngram=1, max_matches=1, depth=4, num_nodes=4))
     assert hybrid.extra_nodes == 4 and hybrid.feature_layers == head.feature_layers
+    assert hybrid.modules() == head.modules() and len(hybrid.modules()) == 1  # packed with the target
     ref = treespec.generate(model, "none", "chain-1", REPEAT, max_new_tokens=24)
     out = treespec.generate(model, hybrid, "chain-1", REPEAT, max_new_tokens=24)
     assert out.sequences == ref.sequences

@@ -97,6 +97,9 @@ class HybridDrafter(Drafter):
     def check_compatible(self, model) -> None:
         self.primary.check_compatible(model)
 
+    def modules(self):
+        return self.primary.modules()
+
     def features_for(self, model):
         return self.primary.features_for(model)
 
