@@ -241,9 +241,9 @@ def _presets() -> Mapping[str, Preset]:
     p["auto-rate"] = Preset(
         TreeConfig.auto(max_depth=6, top_k=8, max_nodes=32, objective="rate"),
         "auto with the generation's rate as the bar: a node is verified when its calibrated "
-        "probability beats the tokens per second achieved so far times its verify cost; where "
-        "steps differ a lot (prompt lookup's long chains beside a head's short ones) this is "
-        "what maximises the whole generation's speed",
+        "probability beats the tokens per second achieved so far times its verify cost (the "
+        "renewal-reward optimum if calibration and costs were exact); measured on a 2-core CPU "
+        "it was not faster than auto (docs/benchmarks.md)",
     )
     p["eagle1"] = Preset(
         TreeConfig.static(_EAGLE1_TREE),
