@@ -96,21 +96,21 @@ def node_probs(tree: Tree, calibration: Calibrations) -> np.ndarray:
     monotone); with several (a lookup chain under a head's node) it keeps every prefix of
     the choice order a tree."""
     scores = tree.scores.numpy().astype(np.float64)
-    if tree.source is None or isinstance(calibration, Calibration):
-        cal = calibration if isinstance(calibration, Calibration) else calibration[0]
-        if tree.source is not None and bool((tree.source[1:] != 0).any()):
-            raise ValueError("this tree's nodes come from several drafters: give one calibration per source")
-        p = cal(scores)
-    else:
+    mixed = tree.source is not None and not isinstance(calibration, Calibration)
+    if mixed:
         p = np.empty_like(scores)
         src = tree.source.numpy()
         for s in np.unique(src):
             p[src == s] = calibration[int(s)](scores[src == s])
-        p[0] = 1.0
+    else:
+        if tree.source is not None and bool((tree.source[1:] != 0).any()):
+            raise ValueError("this tree's nodes come from several drafters: give one calibration per source")
+        p = (calibration if isinstance(calibration, Calibration) else calibration[0])(scores)
+    p[0] = 1.0  # the root is committed whatever happens
+    if mixed:
         parents = tree.parents.numpy()
         for i in range(1, p.size):  # topological order: a parent's cap is final first
             p[i] = min(p[i], p[parents[i]])
-    p[0] = 1.0
     return p
 
 
