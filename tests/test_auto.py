@@ -650,3 +650,27 @@ def test_rate_objective_in_the_controller():
     with pytest.raises(ValueError, match="auto trees only"):
         TreeConfig("dynamic", 3, 2, 4, objective="rate")
     assert TreeConfig.preset("auto-rate").objective == "rate"
+
+
+def test_step_cost_slope_is_learned_once_sizes_vary():
+    """A step costing 2 ms plus 1 ms per verified token beyond the curve's (a long context):
+    the remainder's line is learned from steps of varied sizes, and the rule then prices a
+    tree of q tokens at curve(q) + 1 ms * (q - 1). Steps of one size teach no slope."""
+    curve = CostCurve((1, 2, 64), (0.010, 0.011, 0.074))
+    profile = AutoProfile(costs=curve)
+    ctl = AutoController(profile, max_nodes=16, top_k=2, greedy=True)
+    for _ in range(20):
+        ctl.end_step(5, float(curve(5)) + 0.002)
+    assert profile.step_slope == 0.0 and profile.step_overhead == pytest.approx(0.002)
+    rng = np.random.default_rng(0)
+    for q in rng.integers(1, 17, size=400):
+        ctl.end_step(int(q), float(curve(q)) + 0.002 + 0.001 * (q - 1))
+    assert profile.step_slope == pytest.approx(0.001, rel=0.05)
+    assert profile.step_overhead == pytest.approx(0.002, abs=3e-4)
+    assert float(ctl.costs(9)) == pytest.approx(float(curve(9)) + 8 * profile.step_slope)
+    back = AutoProfile.from_json(json.loads(json.dumps(profile.to_json())))
+    assert back.step_slope == profile.step_slope and back.step_moments == profile.step_moments
+    # A remainder that falls with size (the curve too steep) teaches no negative slope.
+    for q in rng.integers(1, 17, size=400):
+        ctl.end_step(int(q), float(curve(q)) + 0.010 - 0.0005 * (q - 1))
+    assert profile.step_slope == 0.0

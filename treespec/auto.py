@@ -229,7 +229,13 @@ class AutoProfile:
         level_seconds: draft time of one tree level (EMA), None until measured.
         step_overhead: what a step costs beyond its draft and the curve's forward (EMA of the
                        measured remainder: verification, cache compaction, the draft's commit,
-                       a context longer than the curve's), None until measured.
+                       a context longer than the curve's), None until measured; with
+                       ``step_slope``, the remainder's intercept at one verified token.
+        step_slope:    seconds each verified token costs beyond the curve's (the remainder's
+                       slope over the tokens verified, >= 0: attention over a context longer
+                       than the curve's 128-token prefix grows with the tree).
+        step_moments:  the EMAs behind both (tokens - 1, its square, the remainder, their
+                       product), None until measured.
         keys:          what the profile was measured on (model, machine, draft, ...).
     """
 
@@ -240,6 +246,8 @@ class AutoProfile:
     step_overhead: float | None = None
     keys: dict = field(default_factory=dict)
     sources: dict[int, dict[str, Calibration]] = field(default_factory=dict)
+    step_slope: float = 0.0
+    step_moments: list[float] | None = None
 
     def calibration(self, greedy: bool, source: int = 0) -> Calibration:
         """The calibration of ``source``'s scores (0: the draft's own; others start from
@@ -300,6 +308,8 @@ class AutoProfile:
             "costs": None if self.costs is None else self.costs.to_json(),
             "level_seconds": self.level_seconds,
             "step_overhead": self.step_overhead,
+            "step_slope": self.step_slope,
+            "step_moments": self.step_moments,
             "greedy": self.greedy.to_json(),
             "sampling": self.sampling.to_json(),
             "sources": {str(k): {m: c.to_json() for m, c in v.items()} for k, v in sorted(self.sources.items())},
@@ -315,6 +325,8 @@ class AutoProfile:
             sampling=Calibration.from_json(data["sampling"]),
             level_seconds=data.get("level_seconds"),
             step_overhead=data.get("step_overhead"),
+            step_slope=float(data.get("step_slope") or 0.0),
+            step_moments=data.get("step_moments"),
             keys=dict(data.get("keys") or {}),
             sources={int(k): {m: Calibration.from_json(c) for m, c in v.items()}
                      for k, v in (data.get("sources") or {}).items()},
@@ -401,6 +413,7 @@ class AutoController:
         self._modelled: float | None = None  # this step's t_draft + t_step, once chosen
         self._steps, self._tokens, self._seconds = 0, 0.0, 0.0
         self._committed = 0  # tokens this step committed, once learned
+        self._costs: tuple[float, CostCurve] | None = None  # (slope, curve with it)
 
     @property
     def rate(self) -> float | None:
@@ -445,7 +458,7 @@ class AutoController:
             max_nodes += self._extra.shape[1]
         p_f = self.calibration(frontier_scores.detach().float().cpu().numpy().max(axis=1))
         # Unmeasured yet: assume a level is free, so the next step drafts one and measures it.
-        go = keep_drafting(probs, p_f, self.profile.costs, now - self._t0 + self.overhead,
+        go = keep_drafting(probs, p_f, self.costs, now - self._t0 + self.overhead,
                            self.profile.level_seconds or 0.0, max_nodes, self.top_k, self.rate)
         self._last_stop = now if go else None
         return not go
@@ -458,19 +471,41 @@ class AutoController:
 
     def choose(self, trees: Sequence[Tree], propose_seconds: float) -> list[Tree]:
         self._modelled = propose_seconds + self.overhead
-        return choose_trees(trees, self.by_source, self.profile.costs, self._modelled, self.rate)
+        return choose_trees(trees, self.by_source, self.costs, self._modelled, self.rate)
+
+    @property
+    def costs(self) -> CostCurve:
+        """The verify curve the rule prices trees with: the measured one plus the learned
+        ``step_slope`` per token beyond the first."""
+        c, b = self.profile.costs, self.profile.step_slope
+        if b <= 0:
+            return c
+        if self._costs is None or self._costs[0] != b:
+            shifted = CostCurve(c.tokens, tuple(sec + b * (q - 1) for q, sec in zip(c.tokens, c.seconds)))
+            self._costs = (b, shifted)
+        return self._costs[1]
 
     def end_step(self, tokens: int, seconds: float) -> None:
         """A step verified ``tokens`` tokens (roots included) in one forward and spent
-        ``seconds`` from that forward's start to the step's end: learn the remainder."""
-        rest = seconds - float(self.profile.costs(tokens))
-        old = self.profile.step_overhead
-        self.profile.step_overhead = rest if old is None else (1 - OVERHEAD_EMA) * old + OVERHEAD_EMA * rest
+        ``seconds`` from that forward's start to the step's end: learn the remainder, as a
+        line over the tokens verified (EMAs of its moments; the slope once sizes vary)."""
+        p = self.profile
+        x, r = float(tokens - 1), seconds - float(p.costs(tokens))
+        new = [x, x * x, r, x * r]
+        if p.step_moments is None:  # start from what the profile knew, at this size
+            old = r if p.step_overhead is None else p.step_overhead
+            p.step_moments = [x, x * x, old, x * old]
+        m = [(1 - OVERHEAD_EMA) * a + OVERHEAD_EMA * b for a, b in zip(p.step_moments, new)]
+        p.step_moments = m
+        var = m[1] - m[0] ** 2
+        if var > 1.0:  # tree sizes varied by more than a token: the slope is identified
+            p.step_slope = max((m[3] - m[0] * m[2]) / var, 0.0)
+        p.step_overhead = m[2] - p.step_slope * m[0]
         if self._modelled is not None and self._committed:
             self._steps += 1
             w = max(1.0 / self._steps, RATE_EMA)
             self._tokens = (1 - w) * self._tokens + w * self._committed
-            self._seconds = (1 - w) * self._seconds + w * (self._modelled + float(self.profile.costs(tokens)))
+            self._seconds = (1 - w) * self._seconds + w * (self._modelled + float(self.costs(tokens)))
 
     def learn(self, trees: Sequence[Tree], paths: Sequence[Sequence[int]]) -> None:
         """Each verified drafted node is accepted iff it lies on its request's committed
