@@ -88,8 +88,9 @@ def save_tune_plots(profile: AutoProfile, tree_sizes: Sequence[int], out_dir, pr
         ax.plot(c.tokens, [s * 1e3 for s in c.seconds], marker="o", label="verify forward")
         ax.axhline(c.seconds[0] * 1e3, color="#999999", lw=0.8, ls="--", label="one token (a decode step)")
         if profile.step_overhead:
-            ax.plot(c.tokens, [(s + profile.step_overhead) * 1e3 for s in c.seconds], color="#5070b0", lw=0.8,
-                    ls="-.", label="a step as measured (forward + the step's fixed cost)")
+            step = [s + profile.step_overhead + profile.step_slope * (q - 1) for q, s in zip(c.tokens, c.seconds)]
+            ax.plot(c.tokens, [t * 1e3 for t in step], color="#5070b0", lw=0.8,
+                    ls="-.", label="a step as measured (forward + the step's own cost, its slope included)")
     if profile.level_seconds:
         ax.axhline(profile.level_seconds * 1e3, color="#c07030", lw=0.8, ls=":", label="one draft level")
     ax.set_xlabel("tokens verified (tree nodes, root included)")
