@@ -453,7 +453,7 @@ class AutoController:
         pool = pool_scores.detach().float().cpu().numpy().astype(np.float64)
         probs = self.calibration(-np.sort(-pool, axis=1))
         max_nodes = self.max_nodes
-        if self._extra is not None and self._extra.shape[0] == probs.shape[0]:
+        if self._extra is not None:  # one row per request, as the builder's pool
             probs = -np.sort(-np.concatenate([probs, self._extra], axis=1), axis=1)
             max_nodes += self._extra.shape[1]
         p_f = self.calibration(frontier_scores.detach().float().cpu().numpy().max(axis=1))
