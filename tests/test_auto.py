@@ -510,18 +510,19 @@ def test_auto_starts_from_the_heads_own_calibration(monkeypatch, tmp_path):
     never = Calibration(seen=[1e6] * 20, accepted=[0.0] * 20, memory=None)
     AutoProfile(greedy=never, sampling=Calibration()).save(tmp_path / "head" / "auto-profile.json")
     draft = treespec.load_draft(tmp_path / "head", model)
-    greedy, sampling = draft.auto_calibration
-    assert greedy.to_json() == never.to_json() and sampling.num_observed == 0
+    carried = draft.auto_calibration
+    assert carried.greedy.to_json() == never.to_json() and carried.sampling.num_observed == 0
+    assert carried.costs is None and carried.level_seconds is None
     start = AutoProfile.starting(draft)
     start.greedy.observe([0.0], [True])
-    assert draft.auto_calibration[0].to_json() == never.to_json()  # a copy
+    assert draft.auto_calibration.greedy.to_json() == never.to_json()  # a copy
 
     n = 8
     out = treespec.generate(model, draft, TreeConfig.auto(3, 2, 6), PROMPTS, max_new_tokens=n)
     assert out.sequences == [hf_greedy(model, p, n) for p in PROMPTS]
     assert out.metrics.tree_sizes and set(out.metrics.tree_sizes) == {0}
     always = Calibration(seen=[1e6] * 20, accepted=[1e6] * 20, memory=None)
-    draft.auto_calibration = (always, always)
+    draft.auto_calibration = AutoProfile(greedy=always, sampling=always)
     sure = treespec.generate(model, draft, TreeConfig.auto(3, 2, 6), PROMPTS, max_new_tokens=n)
     assert sure.sequences == out.sequences and max(sure.metrics.tree_sizes) > 0
 
@@ -532,15 +533,19 @@ def test_auto_starts_from_the_heads_own_calibration(monkeypatch, tmp_path):
 
 def test_the_shipped_head_carries_its_calibration():
     """The shipped head's auto-profile.json: a greedy calibration learned by treespec tune on
-    this pair (its observations), no machine's cost curve."""
+    this pair (its observations), prompt lookup's learned with lookup grafted on, no
+    machine's cost curve."""
     from treespec.assets import resolve_draft
+    from treespec.drafters.hybrid import LOOKUP
 
     path = resolve_draft("smollm2-135m-instruct-eagle")
-    greedy, sampling = AutoProfile.head_calibration(path)
+    greedy = AutoProfile.head_calibration(path).greedy
     assert greedy.num_observed > 1000
     fitted = greedy.fitted()
     assert np.all(np.diff(fitted) >= 0) and fitted[-1] > 0.5 > fitted[0]
-    assert AutoProfile.load(path / "auto-profile.json").costs is None
+    shipped = AutoProfile.load(path / "auto-profile.json")
+    assert shipped.costs is None and shipped.level_seconds is None and shipped.step_overhead is None
+    assert shipped.calibration(True, LOOKUP).num_observed > 100
 
 
 # ---- command line ------------------------------------------------------------------------

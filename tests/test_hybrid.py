@@ -157,6 +157,28 @@ def test_controller_learns_each_source_on_its_own():
     assert back.to_json() == profile.to_json() and set(back.sources) == {LOOKUP, AGREED}
 
 
+
+def test_a_heads_profile_carries_lookups_calibration_to_the_hybrid(tmp_path):
+    """A head directory's auto-profile.json may hold the lookup and agreed calibrations learned
+    with prompt lookup grafted on: the hybrid over that head starts from them (copies), the
+    machine's cost curve and timings stay behind."""
+    from treespec.drafters.eagle import EagleHead
+
+    model = tiny_model("llama", 1)
+    EagleHead.for_target(model, eagle3=False).save_pretrained(tmp_path / "head")
+    trusted = Calibration(seen=[1e6] * 20, accepted=[9e5] * 20, memory=None)
+    profile = AutoProfile(costs=FLAT, level_seconds=0.01, step_overhead=0.002)
+    profile.calibration(True, LOOKUP).observe([0.5] * 50, [True] * 50)
+    profile.sources[AGREED] = {"greedy": trusted, "sampling": Calibration()}
+    profile.save(tmp_path / "head" / "auto-profile.json")
+    hybrid = HybridDrafter(treespec.load_draft(tmp_path / "head", model))
+    start = AutoProfile.starting(hybrid)
+    assert start.costs is None and start.level_seconds is None and start.step_overhead is None
+    assert start.calibration(True, LOOKUP).num_observed == 50
+    assert start.calibration(True, AGREED).to_json() == trusted.to_json()
+    start.calibration(True, LOOKUP).observe([0.5], [False])
+    assert hybrid.auto_calibration.calibration(True, LOOKUP).num_observed == 50  # a copy
+
 # ---- the drafter in the engine --------------------------------------------------------------------
 
 

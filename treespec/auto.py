@@ -269,12 +269,21 @@ class AutoProfile:
         carried = getattr(drafter, "auto_calibration", None)
         if carried is None:
             return cls()
-        greedy, sampling = carried
-        return cls(greedy=greedy.copy(), sampling=sampling.copy(), keys={"calibration": "the draft's own"})
+        profile = carried.calibrations_only()
+        profile.keys = {"calibration": "the draft's own"}
+        return profile
+
+    def calibrations_only(self) -> "AutoProfile":
+        """A copy with what describes the pair (every calibration) and nothing that describes
+        a machine (cost curve, draft and step timings)."""
+        return AutoProfile(greedy=self.greedy.copy(), sampling=self.sampling.copy(),
+                           sources={k: {m: c.copy() for m, c in v.items()} for k, v in self.sources.items()},
+                           keys={k: v for k, v in self.keys.items() if k != "costs"})
 
     @classmethod
-    def head_calibration(cls, directory) -> tuple[Calibration, Calibration] | None:
-        """The calibrations of ``directory/auto-profile.json``, or None without one."""
+    def head_calibration(cls, directory) -> "AutoProfile | None":
+        """The calibrations of ``directory/auto-profile.json`` (``calibrations_only``), or
+        None without one."""
         path = Path(directory) / HEAD_PROFILE
         if not path.exists():
             return None
@@ -283,7 +292,7 @@ class AutoProfile:
         except (ValueError, KeyError) as e:
             raise ValueError(f"bad auto profile {path}: {e}; rewrite it with treespec tune --out, "
                              "or delete it") from None
-        return profile.greedy, profile.sampling
+        return profile.calibrations_only()
 
     def prepare(self, runner, max_tokens: int, refresh: bool = False) -> None:
         """Make sure the cost curve covers ``max_tokens`` (from the disk cache, else

@@ -18,13 +18,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
-from ..calibration import Calibration
 from ..config import TreeConfig
 from ..tree import Tree
+
+if TYPE_CHECKING:
+    from ..auto import AutoProfile
 
 __all__ = ["Drafter", "DraftSession", "DraftStart", "check_vocab"]
 
@@ -80,9 +82,10 @@ class Drafter(ABC):
     #: engine's budget and cache room per step): prompt lookup grafted onto a model's
     #: tree (:class:`~treespec.drafters.hybrid.HybridDrafter`).
     extra_nodes: int = 0
-    #: the calibrations (greedy, sampling) an ``auto`` tree starts from when no profile is
-    #: given, e.g. read from a head directory's ``auto-profile.json``; None: the prior.
-    auto_calibration: tuple[Calibration, Calibration] | None = None
+    #: the calibrations (greedy and sampling, and those of grafted sources such as prompt
+    #: lookup) an ``auto`` tree starts from when no profile is given, e.g. read from a head
+    #: directory's ``auto-profile.json``; its cost curve and timings are not used. None: the prior.
+    auto_calibration: AutoProfile | None = None
 
     def check_compatible(self, model) -> None:
         """Raise ValueError when this drafter cannot draft for ``model``."""
