@@ -34,12 +34,14 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_DRAFT = "smollm2-135m-instruct-eagle"
-# generate's tree and bench's configurations when none is asked for: auto, the fastest with
-# the shipped head beside every fixed preset (docs/benchmarks.md, bf16 on packed weights:
-# GSM8K-50 auto 2.21x, cpu-tiny 2.15x, chain-3 2.13x; HumanEval-20 auto 1.80x, chain-4
-# 1.68x, cpu-tiny and chain-3 1.61x), then the two fixed trees fastest on GSM8K.
+# generate's draft and tree, and bench's configurations, when none is asked for: the shipped
+# head with prompt lookup grafted on and auto trees, the fastest measured with the head that
+# ships (docs/benchmarks.md, bf16 on packed weights: HumanEval-20 2.83x, chat-12 2.57x,
+# GSM8K-50 3.00x against the same drafter's chain-3 at 3.11x; the head alone with auto 1.76x,
+# 1.83x and 2.56x); bench runs the hybrid's chain-3 and the head alone with auto beside it.
+DEFAULT_SPEC = f"{DEFAULT_DRAFT}+lookup"
 DEFAULT_TREE = "auto"
-DEFAULT_BENCH_CONFIGS = (f"{DEFAULT_DRAFT}@auto", f"{DEFAULT_DRAFT}@cpu-tiny", f"{DEFAULT_DRAFT}@chain-3")
+DEFAULT_BENCH_CONFIGS = (f"{DEFAULT_SPEC}@auto", f"{DEFAULT_SPEC}@chain-3", f"{DEFAULT_DRAFT}@auto")
 # A GSM8K-style word problem (GSM8K train, first record): the shipped head trained on them.
 DEFAULT_CHAT = (
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips "
@@ -334,10 +336,10 @@ def _add_generate(sub):
                        description="Generate with tree speculation: the text streams to stdout as it is "
                                    "committed, a summary line goes to stderr.")
     p.add_argument("--model", default=DEFAULT_MODEL, help="target: a treespec name, HF id or path")
-    p.add_argument("--draft", default=DEFAULT_DRAFT,
+    p.add_argument("--draft", default=DEFAULT_SPEC,
                    help="a shipped head name, an EAGLE head directory, 'ngram', 'layers:K' (the target's first K layers as a draft model) or 'model:NAME_OR_PATH'; "
                         "any model drafter with '+lookup' appended also grafts prompt lookup onto its trees "
-                        "(default: %(default)s)")
+                        "(default: %(default)s, the shipped head with prompt lookup)")
     p.add_argument("--tree", default=DEFAULT_TREE,
                    help="a preset name or a JSON tree file (default: %(default)s: each step verifies the tree that "
                         "pays most from this machine's measured verify costs and the draft's calibrated scores; "
@@ -424,7 +426,7 @@ def _add_bench(sub):
     p.add_argument("--draft", action="append", default=None,
                    help="draft to run (repeatable): a shipped head name, head directory, 'ngram' or "
                         f"'model:NAME', with '+lookup' grafting prompt lookup onto a model drafter's trees "
-                        f"(default: {DEFAULT_DRAFT})")
+                        f"(default: {DEFAULT_SPEC})")
     p.add_argument("--tree", action="append", default=None,
                    help=f"tree to run with each draft (repeatable): preset or JSON file (default: {DEFAULT_TREE})")
     p.add_argument("--chain", type=int, default=None, metavar="K",
@@ -492,7 +494,7 @@ def _bench_pairs(args) -> list[tuple[str, str]]:
         return pairs
     if not (args.draft or args.tree or args.chain is not None):
         return [tuple(c.rsplit("@", 1)) for c in DEFAULT_BENCH_CONFIGS]
-    drafts = args.draft or [DEFAULT_DRAFT]
+    drafts = args.draft or [DEFAULT_SPEC]
     trees = args.tree or [DEFAULT_TREE]
     pairs = []
     for d in drafts:
