@@ -157,7 +157,6 @@ def test_controller_learns_each_source_on_its_own():
     assert back.to_json() == profile.to_json() and set(back.sources) == {LOOKUP, AGREED}
 
 
-
 def test_a_heads_profile_carries_lookups_calibration_to_the_hybrid(tmp_path):
     """A head directory's auto-profile.json may hold the lookup and agreed calibrations learned
     with prompt lookup grafted on: the hybrid over that head starts from them (copies), the
@@ -178,6 +177,7 @@ def test_a_heads_profile_carries_lookups_calibration_to_the_hybrid(tmp_path):
     assert start.calibration(True, AGREED).to_json() == trusted.to_json()
     start.calibration(True, LOOKUP).observe([0.5], [False])
     assert hybrid.auto_calibration.calibration(True, LOOKUP).num_observed == 50  # a copy
+
 
 # ---- the drafter in the engine --------------------------------------------------------------------
 
