@@ -156,6 +156,50 @@ def test_capture_resumes_after_a_kill_with_the_same_result(tiny_lm, tmp_path):
         assert torch.equal(r["labels"][plen - 1:-1], r["tokens"][plen:])
 
 
+def test_lost_shards_are_rebuilt_from_their_answers_files(tiny_lm, tmp_path):
+    """The answers files are the costly part of a capture: with the shards deleted, the same
+    command rebuilds them from the answers (a teacher-forced forward, no decoding) with the
+    same conversations, tokens, labels and sampled flags, and features equal to the decoded
+    ones up to rounding. A shard without its answers file gets one; a foreign one is refused."""
+    model, tok = tiny_lm
+    data = _data(tmp_path)
+    a = tmp_path / "a"
+    first = capture_shards(model, tok, _cfg(data, a))
+    assert first["rebuilt"] == 0 and first["generated_tokens"] > 0
+    answers = sorted(p.name for p in a.glob("answers-*.jsonl.gz"))
+    assert answers == [p.name.replace("shard", "answers").replace(".pt", ".jsonl.gz") for p in shard_files(a)]
+    decoded = load_shards(a, mmap=False)
+
+    b = tmp_path / "b"  # what git keeps: the manifest and the answers files, no shard
+    b.mkdir()
+    for name in ["capture.json", *answers]:
+        (b / name).write_bytes((a / name).read_bytes())
+    again = capture_shards(model, tok, _cfg(data, b))
+    assert (again["written"], again["rebuilt"], again["generated_tokens"]) == (4, 4, 0)
+    rebuilt = load_shards(b, mmap=False)
+    assert len(rebuilt) == len(decoded)
+    for x, y in zip(decoded, rebuilt):
+        assert (x["index"], x["source"], x["sampled"], x["prompt_len"]) == (y["index"], y["source"], y["sampled"],
+                                                                             y["prompt_len"])
+        assert torch.equal(x["tokens"], y["tokens"]) and torch.equal(x["labels"], y["labels"])
+        torch.testing.assert_close(x["features"].float(), y["features"].float(), atol=2e-2, rtol=1e-2)
+    # The answers files are byte-identical whoever writes them (no timestamp in the gzip).
+    assert all((a / n).read_bytes() == (b / n).read_bytes() for n in answers)
+
+    # A shard written before answers files existed gets its file on the next run.
+    (a / answers[1]).unlink()
+    assert capture_shards(model, tok, _cfg(data, a))["written"] == 0
+    assert (a / answers[1]).read_bytes() == (b / answers[1]).read_bytes()
+
+    # An answers file from another plan is refused with what to do.
+    c = tmp_path / "c"
+    c.mkdir()
+    (c / "capture.json").write_bytes((a / "capture.json").read_bytes())
+    (c / answers[0]).write_bytes((a / answers[1]).read_bytes())
+    with pytest.raises(ValueError, match="does not match the plan at conversation 0.*delete it"):
+        capture_shards(model, tok, _cfg(data, c))
+
+
 def test_sample_share_is_honoured(tmp_path):
     keys = [f"d:{i}" for i in range(2000)]
     for share in (0.0, 0.2, 1.0):

@@ -882,7 +882,8 @@ def _capture(args):
     with fast if fast is not None else contextlib.nullcontext():
         s = capture_shards(model, tok, cfg, callback=progress)
     bar.close()
-    print(f"{args.out}: {s['written']} shard(s) written, {s['skipped']} already there, of {s['shards']}; "
+    rebuilt = f" ({s['rebuilt']} rebuilt from answers files)" if s["rebuilt"] else ""
+    print(f"{args.out}: {s['written']} shard(s) written{rebuilt}, {s['skipped']} already there, of {s['shards']}; "
           f"{s['conversations']} conversations, {s['generated_tokens']} generated tokens in {s['seconds']:.0f} s "
           f"({s['tokens_per_second']:.1f} tok/s)" + (f"; {s['too_long']} too long, skipped" if s["too_long"] else ""))
     return 0

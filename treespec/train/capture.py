@@ -33,10 +33,22 @@ formed inside a shard, by length (greedy and sampled requests together, each at 
 temperature), so a resumed capture equals an uninterrupted one with the same batch size;
 ``batch_size`` may change between runs (it moves only rounding, so greedy choices at
 near-ties).
+
+**Answers files.** Beside every shard, ``answers-{start}-{stop}.jsonl.gz`` keeps what the
+target wrote there (token ids of each answer, whether it was sampled): a few kB against a
+shard's tens of MB, and the only costly part of it, since the features of a known answer
+come back in one teacher-forced forward, several times faster than decoding it. A capture
+folder whose shards were lost but whose answers files remain (kept in git, copied from
+another machine) is resumed by the same command: each shard with an answers file is rebuilt
+from it (same conversations, tokens and labels; features equal up to the rounding of a
+batched forward against a decoded one), the rest are decoded. A re-run also writes the
+answers file of any shard that lacks one.
 """
 
 from __future__ import annotations
 
+import gzip
+import io
 import json
 import logging
 import os
@@ -165,6 +177,37 @@ def _shard_name(start: int, stop: int) -> str:
     return f"shard-{start:06d}-{stop:06d}.pt"
 
 
+def _answers_name(start: int, stop: int) -> str:
+    return f"answers-{start:06d}-{stop:06d}.jsonl.gz"
+
+
+def _answered(cfg: CaptureConfig, ex: Example) -> bool:
+    """Whether the target writes this conversation's answer (else it is teacher-forced)."""
+    return cfg.answers == "target" and ex.text is None
+
+
+def _save_answers(path: Path, cfg: CaptureConfig, plan, records) -> None:
+    """The target's answers among ``records``, one JSON line each, gzip without a timestamp
+    (the same answers give the same bytes, so a folder of them sits well in git)."""
+    buf = io.BytesIO()
+    with gzip.GzipFile(fileobj=buf, mode="wb", mtime=0) as f:
+        for r in records:
+            if _answered(cfg, plan[r["index"]][1]):
+                plen = int(r["prompt_len"])
+                row = {"index": int(r["index"]), "source": r["source"], "sampled": bool(r["sampled"]),
+                       "prompt_len": plen, "answer": r["tokens"][plen:].tolist()}
+                f.write((json.dumps(row, separators=(",", ":")) + "\n").encode())
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(buf.getvalue())
+    os.replace(tmp, path)
+
+
+def _load_answers(path: Path) -> dict[int, dict]:
+    with gzip.open(path, "rt") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return {row["index"]: row for row in rows}
+
+
 def shard_files(out_dir) -> list[Path]:
     """The shards of a capture folder that form its longest prefix of the plan, in order
     (for each start, the longest shard: one written before ``max_examples`` grew is superseded)."""
@@ -217,8 +260,9 @@ def capture_shards(model, tokenizer, cfg: CaptureConfig,
                    callback: Callable[[Progress], None] | None = None) -> dict:
     """Capture the plan into ``cfg.out_dir`` shard by shard, skipping shards already there.
 
-    Returns a summary: ``{"shards", "written", "skipped", "conversations", "generated_tokens",
-    "seconds", "tokens_per_second", "too_long"}`` (tokens and seconds of this run only).
+    Returns a summary: ``{"shards", "written", "skipped", "rebuilt", "conversations",
+    "generated_tokens", "seconds", "tokens_per_second", "too_long"}`` (tokens and seconds of
+    this run only; ``rebuilt``: shards written from their answers files, none decoded).
     """
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -230,16 +274,26 @@ def capture_shards(model, tokenizer, cfg: CaptureConfig,
     S = cfg.shard_size
     ranges = [(a, min(a + S, len(plan))) for a in range(0, len(plan), S)]
     done = {p.name for p in out.glob("shard-*.pt")}
+    for a, b in ranges:  # shards written before answers files were: give them theirs
+        if _shard_name(a, b) in done and not (out / _answers_name(a, b)).exists():
+            _save_answers(out / _answers_name(a, b), cfg, plan,
+                          torch.load(out / _shard_name(a, b), mmap=True, weights_only=True))
     todo = [r for r in ranges if _shard_name(*r) not in done]
-    summary = {"shards": len(ranges), "written": 0, "skipped": len(ranges) - len(todo), "conversations": 0,
-               "generated_tokens": 0, "seconds": 0.0, "too_long": 0}
+    summary = {"shards": len(ranges), "written": 0, "skipped": len(ranges) - len(todo), "rebuilt": 0,
+               "conversations": 0, "generated_tokens": 0, "seconds": 0.0, "too_long": 0}
     t0 = time.perf_counter()
     conv_done = sum(b - a for a, b in ranges if _shard_name(a, b) in done)
     if callback:
         callback(Progress("capture", conv_done, len(plan), {"tok/s": 0.0, "shard": None}))
     for a, b in todo:
         stats = DataStats()
-        records = _capture_range(model, tokenizer, cfg, plan, a, b, fids, stats, summary)
+        apath = out / _answers_name(a, b)
+        given = _load_answers(apath) if apath.exists() else None
+        records = _capture_range(model, tokenizer, cfg, plan, a, b, fids, stats, summary, given)
+        if given is None:
+            _save_answers(apath, cfg, plan, records)  # first: a shard never stands without its answers
+        else:
+            summary["rebuilt"] += 1
         path = out / _shard_name(a, b)
         tmp = path.with_name(path.name + ".tmp")
         torch.save(records, tmp)
@@ -254,21 +308,23 @@ def capture_shards(model, tokenizer, cfg: CaptureConfig,
                 "tok/s": summary["generated_tokens"] / max(elapsed, 1e-9), "shard": path.name}))
     summary["seconds"] = time.perf_counter() - t0
     summary["tokens_per_second"] = summary["generated_tokens"] / max(summary["seconds"], 1e-9)
-    log.info("capture %s: %d shards written, %d already there; %d generated tokens in %.0f s (%.1f tok/s)",
-             out, summary["written"], summary["skipped"], summary["generated_tokens"], summary["seconds"],
-             summary["tokens_per_second"])
+    log.info("capture %s: %d shards written (%d rebuilt from answers files), %d already there; "
+             "%d generated tokens in %.0f s (%.1f tok/s)", out, summary["written"], summary["rebuilt"],
+             summary["skipped"], summary["generated_tokens"], summary["seconds"], summary["tokens_per_second"])
     return summary
 
 
-def _capture_range(model, tokenizer, cfg, plan, a, b, fids, stats, summary) -> list[dict]:
-    """The records of plan entries ``[a, b)``, in plan order."""
+def _capture_range(model, tokenizer, cfg, plan, a, b, fids, stats, summary, given=None) -> list[dict]:
+    """The records of plan entries ``[a, b)``, in plan order. ``given``: the range's answers
+    file (plan index -> row); the target's answers are then replayed, not decoded."""
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
     by_index: dict[int, dict] = {}
     answered, forced = [], []  # (plan index, prompt ids, temperature, seed); (plan index, ids, prompt length)
+    replayed = []  # (plan index, prompt + answer ids, prompt length, sampled)
     for i in range(a, b):
         key, ex = plan[i]
-        if ex.text is not None or cfg.answers == "reference":
+        if not _answered(cfg, ex):
             ids, plen = tokenize_example(tokenizer, ex)
             if ex.text is None and ex.answer is None:
                 raise ValueError(f"{key} has no answer: answers='reference' needs one (use answers='target')")
@@ -281,6 +337,15 @@ def _capture_range(model, tokenizer, cfg, plan, a, b, fids, stats, summary) -> l
         if plen + 2 > cfg.max_length:
             stats.skipped_too_long += 1
             continue
+        if given is not None:
+            row = given.get(i)
+            if row is None or row["source"] != key or row["prompt_len"] != plen:
+                found = "nothing" if row is None else f"{row['source']} with a prompt of {row['prompt_len']} tokens"
+                raise ValueError(f"{cfg.out_dir}: {_answers_name(a, b)} does not match the plan at conversation {i} "
+                                 f"({key}, a prompt of {plen} tokens; the file has {found}): it was written for "
+                                 f"other data or another tokenizer; delete it to decode this shard again")
+            replayed.append((i, ids[:plen] + row["answer"], plen, bool(row["sampled"])))
+            continue
         is_sampled, seed = _sampled(cfg, key)
         answered.append((i, ids[:plen], cfg.sample_temperature if is_sampled else 0.0, seed))
     # Greedy and sampled answers decode in one batch (each request at its own temperature,
@@ -292,13 +357,13 @@ def _capture_range(model, tokenizer, cfg, plan, a, b, fids, stats, summary) -> l
         for (i, _, temperature, _), r in zip(batch, recs):
             summary["generated_tokens"] += r["tokens"].numel() - r["prompt_len"]
             by_index[i] = dict(r, sampled=temperature > 0)
-    if forced:
+    if forced or replayed:
         hooks = _Hooks(model, fids)
+        dev = next(model.parameters()).device
         try:
             for s in range(0, len(forced), cfg.batch_size):
                 batch = forced[s: s + cfg.batch_size]
                 ids, att = _left_pad([x[1] for x in batch], pad)
-                dev = next(model.parameters()).device
                 logits = model(input_ids=ids.to(dev), attention_mask=att.to(dev)).logits
                 feats = hooks.take()
                 pred = logits.argmax(-1)
@@ -308,6 +373,19 @@ def _capture_range(model, tokenizer, cfg, plan, a, b, fids, stats, summary) -> l
                     labels[: max(plen - 1, 0)] = -100
                     labels[-1] = -100
                     by_index[i] = dict(_record(toks, feats[j, off: off + len(toks) - 1], labels, plen), sampled=False)
+            # Replayed answers: the labels are the tokens the target wrote, so no logits are
+            # needed, only the decoder's states (the final norm's included).
+            replayed.sort(key=lambda x: (len(x[1]), x[0]))
+            for s in range(0, len(replayed), cfg.batch_size):
+                batch = replayed[s: s + cfg.batch_size]
+                ids, att = _left_pad([x[1] for x in batch], pad)
+                model.get_decoder()(input_ids=ids.to(dev), attention_mask=att.to(dev))
+                feats = hooks.take()
+                for j, (i, toks, plen, sampled) in enumerate(batch):
+                    off = ids.shape[1] - len(toks)
+                    labels = torch.full((len(toks),), -100, dtype=torch.int64)
+                    labels[plen - 1: len(toks) - 1] = torch.tensor(toks[plen:])
+                    by_index[i] = dict(_record(toks, feats[j, off: off + len(toks) - 1], labels, plen), sampled=sampled)
         finally:
             hooks.close()
     return [dict(by_index[i], index=i, source=plan[i][0]) for i in sorted(by_index)]
