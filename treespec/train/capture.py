@@ -74,6 +74,9 @@ _SHARD = re.compile(r"^shard-(\d{6})-(\d{6})\.pt$")
 # What must match between runs into one folder (max_examples may grow; out_dir may move).
 # batch_size is free: it changes how requests share a forward, so only bf16/fp32 rounding and
 # with it greedy choices at near-ties, not which conversations are answered or how.
+# Padded tokens per teacher-forced forward of replayed answers: batches cut by length waste
+# little padding, and the forward is already compute-bound at a few thousand tokens.
+_REPLAY_TOKENS = 4096
 _IDENTITY = ("data", "mix", "max_length", "max_new_tokens", "answers", "sample_share", "sample_temperature",
              "seed", "shard_size", "features", "model", "dtype")
 
@@ -376,8 +379,7 @@ def _capture_range(model, tokenizer, cfg, plan, a, b, fids, stats, summary, give
             # Replayed answers: the labels are the tokens the target wrote, so no logits are
             # needed, only the decoder's states (the final norm's included).
             replayed.sort(key=lambda x: (len(x[1]), x[0]))
-            for s in range(0, len(replayed), cfg.batch_size):
-                batch = replayed[s: s + cfg.batch_size]
+            for batch in _by_tokens(replayed, cfg.batch_size):
                 ids, att = _left_pad([x[1] for x in batch], pad)
                 model.get_decoder()(input_ids=ids.to(dev), attention_mask=att.to(dev))
                 feats = hooks.take()
@@ -389,6 +391,18 @@ def _capture_range(model, tokenizer, cfg, plan, a, b, fids, stats, summary, give
         finally:
             hooks.close()
     return [dict(by_index[i], index=i, source=plan[i][0]) for i in sorted(by_index)]
+
+
+def _by_tokens(items, max_batch: int, budget: int = _REPLAY_TOKENS) -> list[list]:
+    """Consecutive batches of ``items`` (sorted by length, ``item[1]`` the ids) of at most
+    ``max_batch`` items and ``budget`` padded tokens: a forward's cost is its padded size."""
+    batches, cur = [], []
+    for it in items:
+        if cur and (len(cur) == max_batch or (len(cur) + 1) * len(it[1]) > budget):
+            batches.append(cur)
+            cur = []
+        cur.append(it)
+    return batches + [cur] if cur else batches
 
 
 def _generate(model, prompts, fids, cfg: CaptureConfig, eos, temperature, seeds) -> list[dict]:
