@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -198,6 +199,32 @@ def test_lost_shards_are_rebuilt_from_their_answers_files(tiny_lm, tmp_path):
     (c / answers[0]).write_bytes((a / answers[1]).read_bytes())
     with pytest.raises(ValueError, match="does not match the plan at conversation 0.*delete it"):
         capture_shards(model, tok, _cfg(data, c))
+
+
+@pytest.mark.parametrize("folder", sorted(p.name for p in (Path(__file__).parent.parent / "benchmarks" / "captures")
+                                            .iterdir() if p.is_dir()))
+def test_kept_answers_match_their_plan(folder):
+    """The answers kept in git (benchmarks/captures) belong to the plan of their manifest:
+    every row is the conversation its file's range and the packaged data say it is."""
+    import gzip
+
+    d = Path(__file__).parent.parent / "benchmarks" / "captures" / folder
+    manifest = json.loads((d / "capture.json").read_text())
+    fields = {k: manifest[k] for k in ("data", "mix", "max_examples", "answers", "sample_share", "sample_temperature",
+                                       "seed", "shard_size")}
+    cfg = CaptureConfig(out_dir=str(d), **fields)
+    plan = capture_plan(cfg)
+    files = sorted(d.glob("answers-*.jsonl.gz"))
+    assert files, f"{d} keeps no answers"
+    for f in files:
+        a, b = (int(x) for x in f.name[len("answers-"):-len(".jsonl.gz")].split("-"))
+        assert a % cfg.shard_size == 0 and b == min(a + cfg.shard_size, len(plan))
+        rows = [json.loads(line) for line in gzip.open(f, "rt")]
+        assert len(rows) >= 0.9 * (b - a)  # only prompts too long to answer are missing
+        for row in rows:
+            assert a <= row["index"] < b and row["source"] == plan[row["index"]][0]
+            assert row["answer"] and all(0 <= t < 49152 for t in row["answer"])
+            assert row["sampled"] is False or cfg.sample_share > 0
 
 
 def test_sample_share_is_honoured(tmp_path):
