@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The head on the whole capture plan (issue 10), in steps that resume and span sessions
+# (a new checkout has no runs/: the answers kept in benchmarks/captures bring the capture back).
+#
+#   STEPS="restore capture keep" bash benchmarks/head_all.sh 2>&1 | tee -a runs/head_all.log
+#
+#   restore   runs/cap-val and runs/cap-all from benchmarks/captures where missing (answers only)
+#   capture   the held-out and the main capture: shards with answers files are rebuilt from
+#             them, the rest decoded (run again to resume; keep commits what it added)
+#   keep      copy the answers files back to benchmarks/captures (then commit them)
+#   ablate    the "data: all" row of the ablation table (one epoch, reduced protocol)
+#   train     the head: two epochs on the whole capture -> runs/head-all/head
+#   validate  its held-out top-1 beside the shipped head's -> benchmarks/results/validate-head-all.txt
+set -euo pipefail
+cd "$(dirname "$0")/.."
+STEPS=${STEPS:-"restore capture keep"}
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+say() { echo "== $* ($(date -u +%H:%M:%S))"; }
+VAL=(--data "gsm8k-train[7400:],stdlib-code[3100:],chat-train[3750:]" --out runs/cap-val --threads 2)
+ALL=(--data "gsm8k-train[:7400],stdlib-code[:3100],chat-train[:3750]" --out runs/cap-all
+     --sample-share 0.2 --sample-temperature 0.8 --threads 2)
+if has restore; then
+  for c in cap-val cap-all; do
+    if [ ! -e runs/$c/capture.json ]; then
+      say "restore runs/$c from benchmarks/captures/$c"
+      mkdir -p runs/$c && cp benchmarks/captures/$c/* runs/$c/
+    fi
+  done
+fi
+if has capture; then
+  say capture runs/cap-val; treespec capture "${VAL[@]}"
+  say capture runs/cap-all; treespec capture "${ALL[@]}"
+fi
+if has keep; then say keep; bash benchmarks/keep_answers.sh runs/cap-val runs/cap-all; fi
+if has ablate; then
+  say ablate data-all
+  python benchmarks/ablate_head.py --capture runs/cap-all --val-capture runs/cap-val --out runs/ablate \
+    --sizes all --epochs 1 --threads 2 --eval gsm8k:20,humaneval:12 --max-new-tokens 128 --only data-all
+fi
+if has train; then
+  say train runs/head-all
+  treespec train-eagle --captured runs/cap-all --val-captured runs/cap-val --out runs/head-all --epochs 2 --threads 2
+fi
+if has validate; then
+  say validate
+  python benchmarks/validate_head.py --head runs/head-all/head --head smollm2-135m-instruct-eagle \
+    --val-capture runs/cap-val --val-examples 64 | tee benchmarks/results/validate-head-all.txt
+fi
+say done
