@@ -2,13 +2,16 @@
 # The head on the whole capture plan (issue 10), in steps that resume and span sessions
 # (a new checkout has no runs/: the answers kept in benchmarks/captures bring the capture back).
 #
-#   STEPS="restore capture keep" bash benchmarks/head_all.sh 2>&1 | tee -a runs/head_all.log
+#   mkdir -p runs && STEPS="restore capture keep" bash benchmarks/head_all.sh 2>&1 | tee -a runs/head_all.log
 #
-#   restore   runs/cap-val and runs/cap-all from benchmarks/captures where missing (answers only)
+#   restore   into runs/cap-val and runs/cap-all, the answers kept in benchmarks/captures that
+#             they lack (and capture.json where missing): those shards are then rebuilt, not decoded
 #   capture   the held-out and the main capture: shards with answers files are rebuilt from
 #             them, the rest decoded (run again to resume; keep commits what it added)
 #   keep      copy the answers files back to benchmarks/captures (then commit them)
-#   ablate    the "data: all" row of the ablation table (one epoch, reduced protocol)
+#   ablate    the "data: all" row of the ablation table (one epoch, reduced protocol), in
+#             runs/ablate-all (a row name the earlier runs/ablate already holds), appended to
+#             benchmarks/results/ablate-head.jsonl
 #   train     the head: two epochs on the whole capture -> runs/head-all/head
 #   validate  its held-out top-1 beside the shipped head's -> benchmarks/results/validate-head-all.txt
 set -euo pipefail
@@ -21,10 +24,9 @@ ALL=(--data "gsm8k-train[:7400],stdlib-code[:3100],chat-train[:3750]" --out runs
      --sample-share 0.2 --sample-temperature 0.8 --threads 2)
 if has restore; then
   for c in cap-val cap-all; do
-    if [ ! -e runs/$c/capture.json ]; then
-      say "restore runs/$c from benchmarks/captures/$c"
-      mkdir -p runs/$c && cp benchmarks/captures/$c/* runs/$c/
-    fi
+    say "restore runs/$c from benchmarks/captures/$c (what it lacks)"
+    mkdir -p runs/$c
+    cp -n benchmarks/captures/$c/capture.json benchmarks/captures/$c/answers-*.jsonl.gz runs/$c/
   done
 fi
 if has capture; then
@@ -34,8 +36,10 @@ fi
 if has keep; then say keep; bash benchmarks/keep_answers.sh runs/cap-val runs/cap-all; fi
 if has ablate; then
   say ablate data-all
-  python benchmarks/ablate_head.py --capture runs/cap-all --val-capture runs/cap-val --out runs/ablate \
+  python benchmarks/ablate_head.py --capture runs/cap-all --val-capture runs/cap-val --out runs/ablate-all \
     --sizes all --epochs 1 --threads 2 --eval gsm8k:20,humaneval:12 --max-new-tokens 128 --only data-all
+  grep -qxFf runs/ablate-all/results.jsonl benchmarks/results/ablate-head.jsonl ||
+    cat runs/ablate-all/results.jsonl >> benchmarks/results/ablate-head.jsonl
 fi
 if has train; then
   say train runs/head-all

@@ -15,7 +15,8 @@ import torch
 from treespec import data, models
 from treespec.train import TrainConfig, train_eagle
 from treespec.train.capture import (
-    CaptureConfig, _interleave, _sampled, capture_plan, capture_shards, load_shards, parse_data_spec, shard_files,
+    CaptureConfig, _by_tokens, _interleave, _sampled, capture_plan, capture_shards, load_shards, parse_data_spec,
+    shard_files,
 )
 from treespec.train.prompts import EVAL_TEMPLATES, EVAL_TOPICS, chat_prompts, stdlib_code_prompts
 
@@ -192,13 +193,32 @@ def test_lost_shards_are_rebuilt_from_their_answers_files(tiny_lm, tmp_path):
     assert capture_shards(model, tok, _cfg(data, a))["written"] == 0
     assert (a / answers[1]).read_bytes() == (b / answers[1]).read_bytes()
 
-    # An answers file from another plan is refused with what to do.
+    # An answers file from another plan, or a damaged one, is refused with what to do.
     c = tmp_path / "c"
     c.mkdir()
     (c / "capture.json").write_bytes((a / "capture.json").read_bytes())
     (c / answers[0]).write_bytes((a / answers[1]).read_bytes())
     with pytest.raises(ValueError, match="does not match the plan at conversation 0.*delete it"):
         capture_shards(model, tok, _cfg(data, c))
+    (c / answers[0]).write_bytes((a / answers[0]).read_bytes()[:40])  # what a cut copy leaves
+    with pytest.raises(ValueError, match="not a readable answers file.*delete it"):
+        capture_shards(model, tok, _cfg(data, c))
+
+    # A reference capture keeps no answers files: the target wrote nothing.
+    ref = tmp_path / "ref"
+    capture_shards(model, tok, CaptureConfig(data=f"{data}[:4]", out_dir=str(ref), answers="reference",
+                                             max_length=80, shard_size=3))
+    assert shard_files(ref) and not list(ref.glob("answers-*"))
+
+
+def test_replay_batches_follow_the_token_budget():
+    items = [(i, [0] * n) for i, n in enumerate([3, 3, 4, 5, 9, 20])]  # sorted by length
+    batches = _by_tokens(items, max_batch=3, budget=12)
+    # three of at most 4 tokens fill the budget; then max_batch cuts, then the budget, then 20 > 12 alone
+    assert [[i for i, _ in b] for b in batches] == [[0, 1, 2], [3], [4], [5]]
+    assert all(len(b) * max(len(x[1]) for x in b) <= 12 or len(b) == 1 for b in batches)
+    assert [i for b in batches for i, _ in b] == list(range(6))  # every item once, in order
+    assert _by_tokens([], max_batch=4, budget=8) == []
 
 
 @pytest.mark.parametrize("folder", sorted(p.name for p in (Path(__file__).parent.parent / "benchmarks" / "captures")
@@ -218,7 +238,8 @@ def test_kept_answers_match_their_plan(folder):
     assert files, f"{d} keeps no answers"
     for f in files:
         a, b = (int(x) for x in f.name[len("answers-"):-len(".jsonl.gz")].split("-"))
-        assert a % cfg.shard_size == 0 and b == min(a + cfg.shard_size, len(plan))
+        assert a % cfg.shard_size == 0 and b == min(a + cfg.shard_size, len(plan)), \
+            f"{f} is not a range of the plan of {d / 'capture.json'} (a shard superseded when the capture grew?)"
         rows = [json.loads(line) for line in gzip.open(f, "rt")]
         assert len(rows) >= 0.9 * (b - a)  # only prompts too long to answer are missing
         for row in rows:

@@ -42,7 +42,10 @@ folder whose shards were lost but whose answers files remain (kept in git, copie
 another machine) is resumed by the same command: each shard with an answers file is rebuilt
 from it (same conversations, tokens and labels; features equal up to the rounding of a
 batched forward against a decoded one), the rest are decoded. A re-run also writes the
-answers file of any shard that lacks one.
+answers file of any shard that lacks one. (So a capture killed between writing a range's
+answers file and its shard resumes by rebuilding that shard: equal to the uninterrupted
+run's up to that rounding.) A reference capture (``answers="reference"``) writes none: it
+has no answers of the target's to keep.
 """
 
 from __future__ import annotations
@@ -206,9 +209,13 @@ def _save_answers(path: Path, cfg: CaptureConfig, plan, records) -> None:
 
 
 def _load_answers(path: Path) -> dict[int, dict]:
-    with gzip.open(path, "rt") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return {row["index"]: row for row in rows}
+    try:
+        with gzip.open(path, "rt") as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        return {int(row["index"]): row for row in rows}
+    except (OSError, EOFError, ValueError, KeyError, TypeError) as e:  # gzip's and json's errors
+        raise ValueError(f"{path} is not a readable answers file ({type(e).__name__}: {e}): "
+                         f"delete it to decode its shard again") from None
 
 
 def shard_files(out_dir) -> list[Path]:
@@ -277,8 +284,9 @@ def capture_shards(model, tokenizer, cfg: CaptureConfig,
     S = cfg.shard_size
     ranges = [(a, min(a + S, len(plan))) for a in range(0, len(plan), S)]
     done = {p.name for p in out.glob("shard-*.pt")}
+    keep = cfg.answers == "target"  # a reference capture has no answers of the target's to keep
     for a, b in ranges:  # shards written before answers files were: give them theirs
-        if _shard_name(a, b) in done and not (out / _answers_name(a, b)).exists():
+        if keep and _shard_name(a, b) in done and not (out / _answers_name(a, b)).exists():
             _save_answers(out / _answers_name(a, b), cfg, plan,
                           torch.load(out / _shard_name(a, b), mmap=True, weights_only=True))
     todo = [r for r in ranges if _shard_name(*r) not in done]
@@ -291,12 +299,12 @@ def capture_shards(model, tokenizer, cfg: CaptureConfig,
     for a, b in todo:
         stats = DataStats()
         apath = out / _answers_name(a, b)
-        given = _load_answers(apath) if apath.exists() else None
+        given = _load_answers(apath) if keep and apath.exists() else None
         records = _capture_range(model, tokenizer, cfg, plan, a, b, fids, stats, summary, given)
-        if given is None:
-            _save_answers(apath, cfg, plan, records)  # first: a shard never stands without its answers
-        else:
+        if given is not None:
             summary["rebuilt"] += 1
+        elif keep:
+            _save_answers(apath, cfg, plan, records)  # first: a shard never stands without its answers
         path = out / _shard_name(a, b)
         tmp = path.with_name(path.name + ".tmp")
         torch.save(records, tmp)
@@ -342,11 +350,16 @@ def _capture_range(model, tokenizer, cfg, plan, a, b, fids, stats, summary, give
             continue
         if given is not None:
             row = given.get(i)
-            if row is None or row["source"] != key or row["prompt_len"] != plen:
-                found = "nothing" if row is None else f"{row['source']} with a prompt of {row['prompt_len']} tokens"
+            is_sampled = _sampled(cfg, key)[0]
+            if (row is None or row["source"] != key or row["prompt_len"] != plen or row["sampled"] != is_sampled
+                    or not 0 < len(row["answer"]) <= min(cfg.max_new_tokens, cfg.max_length - plen)):
+                found = "nothing" if row is None else (
+                    f"{row['source']}, a prompt of {row['prompt_len']} tokens, {len(row['answer'])} answer tokens, "
+                    f"{'sampled' if row['sampled'] else 'greedy'}")
                 raise ValueError(f"{cfg.out_dir}: {_answers_name(a, b)} does not match the plan at conversation {i} "
-                                 f"({key}, a prompt of {plen} tokens; the file has {found}): it was written for "
-                                 f"other data or another tokenizer; delete it to decode this shard again")
+                                 f"({key}, a prompt of {plen} tokens, {'sampled' if is_sampled else 'greedy'}; "
+                                 f"the file has {found}): it was written with other data, settings or tokenizer; "
+                                 f"delete it to decode this shard again")
             replayed.append((i, ids[:plen] + row["answer"], plen, bool(row["sampled"])))
             continue
         is_sampled, seed = _sampled(cfg, key)
@@ -367,7 +380,8 @@ def _capture_range(model, tokenizer, cfg, plan, a, b, fids, stats, summary, give
             for s in range(0, len(forced), cfg.batch_size):
                 batch = forced[s: s + cfg.batch_size]
                 ids, att = _left_pad([x[1] for x in batch], pad)
-                logits = model(input_ids=ids.to(dev), attention_mask=att.to(dev)).logits
+                logits = model(input_ids=ids.to(dev), attention_mask=att.to(dev), position_ids=_positions(att).to(dev),
+                               use_cache=False).logits
                 feats = hooks.take()
                 pred = logits.argmax(-1)
                 for j, (i, toks, plen) in enumerate(batch):
@@ -381,7 +395,8 @@ def _capture_range(model, tokenizer, cfg, plan, a, b, fids, stats, summary, give
             replayed.sort(key=lambda x: (len(x[1]), x[0]))
             for batch in _by_tokens(replayed, cfg.batch_size):
                 ids, att = _left_pad([x[1] for x in batch], pad)
-                model.get_decoder()(input_ids=ids.to(dev), attention_mask=att.to(dev))
+                model.get_decoder()(input_ids=ids.to(dev), attention_mask=att.to(dev),
+                                    position_ids=_positions(att).to(dev), use_cache=False)
                 feats = hooks.take()
                 for j, (i, toks, plen, sampled) in enumerate(batch):
                     off = ids.shape[1] - len(toks)
@@ -393,9 +408,16 @@ def _capture_range(model, tokenizer, cfg, plan, a, b, fids, stats, summary, give
     return [dict(by_index[i], index=i, source=plan[i][0]) for i in sorted(by_index)]
 
 
+def _positions(att: torch.Tensor) -> torch.Tensor:
+    """Each token's position counted from its row's first real token (left padding), as
+    decoding numbers them."""
+    return (att.cumsum(-1) - 1).clamp(min=0)
+
+
 def _by_tokens(items, max_batch: int, budget: int = _REPLAY_TOKENS) -> list[list]:
     """Consecutive batches of ``items`` (sorted by length, ``item[1]`` the ids) of at most
-    ``max_batch`` items and ``budget`` padded tokens: a forward's cost is its padded size."""
+    ``max_batch`` items and ``budget`` padded tokens (an item longer than the budget alone):
+    a forward's cost is its padded size."""
     batches, cur = [], []
     for it in items:
         if cur and (len(cur) == max_batch or (len(cur) + 1) * len(it[1]) > budget):
