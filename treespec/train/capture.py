@@ -74,12 +74,12 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "capture.json"
 _SHARD = re.compile(r"^shard-(\d{6})-(\d{6})\.pt$")
-# What must match between runs into one folder (max_examples may grow; out_dir may move).
-# batch_size is free: it changes how requests share a forward, so only bf16/fp32 rounding and
-# with it greedy choices at near-ties, not which conversations are answered or how.
 # Padded tokens per teacher-forced forward of replayed answers: batches cut by length waste
 # little padding, and the forward is already compute-bound at a few thousand tokens.
 _REPLAY_TOKENS = 4096
+# What must match between runs into one folder (max_examples may grow; out_dir may move).
+# batch_size is free: it changes how requests share a forward, so only bf16/fp32 rounding and
+# with it greedy choices at near-ties, not which conversations are answered or how.
 _IDENTITY = ("data", "mix", "max_length", "max_new_tokens", "answers", "sample_share", "sample_temperature",
              "seed", "shard_size", "features", "model", "dtype")
 
