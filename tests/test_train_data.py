@@ -188,6 +188,18 @@ def test_lost_shards_are_rebuilt_from_their_answers_files(tiny_lm, tmp_path):
     # The answers files are byte-identical whoever writes them (no timestamp in the gzip).
     assert all((a / n).read_bytes() == (b / n).read_bytes() for n in answers)
 
+    # Decoding comes first: with the answers of every other shard kept, the shards that must
+    # be decoded are written before those rebuilt (a run stopped early loses only replays).
+    d = tmp_path / "d"
+    d.mkdir()
+    for name in ["capture.json", *answers[::2]]:
+        (d / name).write_bytes((a / name).read_bytes())
+    order = []
+    mixed = capture_shards(model, tok, _cfg(data, d), callback=lambda p: order.append(p.info["shard"]))
+    assert (mixed["written"], mixed["rebuilt"]) == (4, 2) and mixed["generated_tokens"] > 0
+    shards = [n.replace("answers", "shard").replace(".jsonl.gz", ".pt") for n in answers]
+    assert order == [None, shards[1], shards[3], shards[0], shards[2]]
+
     # A shard written before answers files existed gets its file on the next run.
     (a / answers[1]).unlink()
     assert capture_shards(model, tok, _cfg(data, a))["written"] == 0

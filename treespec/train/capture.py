@@ -41,7 +41,8 @@ come back in one teacher-forced forward, several times faster than decoding it. 
 folder whose shards were lost but whose answers files remain (kept in git, copied from
 another machine) is resumed by the same command: each shard with an answers file is rebuilt
 from it (same conversations, tokens and labels; features equal up to the rounding of a
-batched forward against a decoded one), the rest are decoded. A re-run also writes the
+batched forward against a decoded one), the rest are decoded, those first: decoding is what
+a stopped run would lose, a rebuild can wait for the next. A re-run also writes the
 answers file of any shard that lacks one. (So a capture killed between writing a range's
 answers file and its shard resumes by rebuilding that shard: equal to the uninterrupted
 run's up to that rounding.) A reference capture (``answers="reference"``) writes none: it
@@ -290,6 +291,9 @@ def capture_shards(model, tokenizer, cfg: CaptureConfig,
             _save_answers(out / _answers_name(a, b), cfg, plan,
                           torch.load(out / _shard_name(a, b), mmap=True, weights_only=True))
     todo = [r for r in ranges if _shard_name(*r) not in done]
+    # Decoding first: it is the costly part that only this run can do, while a rebuild from an
+    # answers file can wait (a run stopped early has then lost nothing it cannot replay).
+    todo.sort(key=lambda r: keep and (out / _answers_name(*r)).exists())
     summary = {"shards": len(ranges), "written": 0, "skipped": len(ranges) - len(todo), "rebuilt": 0,
                "conversations": 0, "generated_tokens": 0, "seconds": 0.0, "too_long": 0}
     t0 = time.perf_counter()
