@@ -12,8 +12,14 @@
 #   ablate    the "data: all" row of the ablation table (one epoch, reduced protocol), in
 #             runs/ablate-all (a row name the earlier runs/ablate already holds), appended to
 #             benchmarks/results/ablate-head.jsonl
-#   train     the head: two epochs on the whole capture -> runs/head-all/head
-#   validate  its held-out top-1 beside the shipped head's -> benchmarks/results/validate-head-all.txt
+#   train     two epochs on the whole capture -> runs/head-all/head (about 110 min on the 2-core
+#             CPU: with a restore's rebuild, about 75 min, more than one session holds)
+#   validate  HEAD's held-out top-1 beside the shipped head's -> benchmarks/results/validate-head-all.txt
+#             (HEAD: runs/ablate-all/data-all/head, the ablate step's head, one epoch over every
+#             conversation: as many optimiser steps as the shipped head's two over 7,744)
+#
+# One session after a restore: STEPS="restore capture ablate validate" (rebuild ~75 min, the
+# row ~55 min of training and ~10 of tau).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STEPS=${STEPS:-"restore capture keep"}
@@ -47,7 +53,7 @@ if has train; then
 fi
 if has validate; then
   say validate
-  python benchmarks/validate_head.py --head runs/head-all/head --head smollm2-135m-instruct-eagle \
+  python benchmarks/validate_head.py --head "${HEAD:-runs/ablate-all/data-all/head}" --head smollm2-135m-instruct-eagle \
     --val-capture runs/cap-val --val-examples 64 | tee benchmarks/results/validate-head-all.txt
 fi
 say done
