@@ -21,9 +21,12 @@ from treespec import Tree, TreeConfig
 from treespec.bench import BenchConfig, run_bench, to_json
 from treespec.divergence import NEAR_TIE_TOLERANCE, classify_divergence, first_difference, fp32_reference
 from treespec.drafters import ModelDrafter, NgramDrafter, NoDrafter
-from treespec.packing import PackedLinear, PackedLinears, packing_supported
+from treespec.packing import PackedLinear, PackedLinears, onednn_packs, packing_supported
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
+# bf16 packing is a CPU feature (AVX512 BW/VL/DQ or AVX-NE-CONVERT): AMD Zen 3 lacks it
+PACKED_DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not onednn_packs(torch.bfloat16), reason="oneDNN cannot pack bf16 on this CPU (no AVX512 BW/VL/DQ, no AVX-NE-CONVERT)"))]
 
 
 def hf_greedy(model, prompt, n):
@@ -39,7 +42,7 @@ PROMPTS = [[1, 5, 9, 3, 7, 5, 9], [2, 4, 6, 8, 10, 12, 4, 6], [3, 3, 3, 11, 17, 
 
 
 @needs_onednn
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", PACKED_DTYPES)
 @pytest.mark.parametrize("rows", [1, 3, 16, 40])
 def test_packed_linear_matches_linear(dtype, rows):
     torch.manual_seed(rows)
@@ -54,7 +57,7 @@ def test_packed_linear_matches_linear(dtype, rows):
 
 
 @needs_onednn
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", PACKED_DTYPES)
 def test_packed_model_logits_and_clean_swap(dtype):
     model = tiny_model("llama", seed=3).to(dtype)
     linears = {n: m for n, m in model.named_modules() if type(m) is nn.Linear}
@@ -89,6 +92,27 @@ def test_packing_refuses_unsupported_dtypes():
     assert not packing_supported(model)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         PackedLinears(model)
+
+
+def test_packing_bf16_where_onednn_cannot_says_what_to_do(monkeypatch):
+    import treespec.packing as packing
+
+    monkeypatch.setattr(packing, "onednn_packs", lambda dtype: dtype == torch.float32)  # a Zen 3, say
+    model = tiny_model("llama", seed=4).to(torch.bfloat16)
+    assert not packing_supported(model)
+    with pytest.raises(ValueError, match="cannot pack bfloat16 weights on this CPU.*float32"):
+        PackedLinears(model)
+    assert packing_supported(model.float())
+
+
+def test_onednn_packs_only_what_it_computes():
+    assert not onednn_packs(torch.float16)
+    assert onednn_packs(torch.float32) == torch.backends.mkldnn.is_available()
+    if onednn_packs(torch.bfloat16):  # then a bf16 layer really runs packed
+        lin = nn.Linear(16, 8).to(torch.bfloat16)
+        with torch.inference_mode():
+            torch.testing.assert_close(PackedLinear(lin)(torch.ones(2, 16, dtype=torch.bfloat16)).float(),
+                                       lin(torch.ones(2, 16, dtype=torch.bfloat16)).float(), atol=2e-2, rtol=1e-2)
 
 
 @needs_onednn

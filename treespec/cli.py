@@ -305,7 +305,13 @@ def _fast_path(args, model, drafters=()):
     """The packed-weights context for ``model`` and the drafters' modules, or None, per --pack."""
     from .packing import PackedLinears, packing_supported
 
-    if args.pack is False or (args.pack is None and not packing_supported(model)):
+    if args.pack is False:
+        return None
+    if args.pack is None and not packing_supported(model):
+        p = next(model.parameters())
+        if p.device.type == "cpu":
+            log.warning("weights not packed: oneDNN cannot pack %s here (--dtype float32 packs), "
+                        "so the model runs on plain weights", p.dtype)
         return None
     try:
         return PackedLinears(model, *(m for d in drafters for m in d.modules()))

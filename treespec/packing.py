@@ -16,18 +16,20 @@ forward of 16 tree tokens then costs little more than the forward of one.
 
 The output is the same computation (bf16: bit-identical logits measured; fp32: within
 1e-4, oneDNN and MKL sum in different orders). The packed copies double the memory of
-the linear weights while they exist. CPU only, fp32 and bf16.
+the linear weights while they exist. CPU only, fp32 and bf16 (bf16 where oneDNN can pack it:
+:func:`onednn_packs`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
 import torch
 from torch import nn
 
-__all__ = ["PackedLinear", "PackedLinears", "packing_supported", "native_bf16", "default_dtype"]
+__all__ = ["PackedLinear", "PackedLinears", "packing_supported", "onednn_packs", "native_bf16", "default_dtype"]
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +37,30 @@ log = logging.getLogger(__name__)
 DEFAULT_BATCH_HINT = 16
 
 
+@functools.cache
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs and multiplies ``dtype`` weights on this CPU.
+
+    fp32 packs wherever oneDNN is built in; bf16 needs AVX512 (BW, VL, DQ) or AVX-NE-CONVERT
+    (AMD Zen 3, for one, has neither). Asked of oneDNN itself, with a tiny weight, once.
+    """
+    if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        with torch.inference_mode():
+            w = torch.zeros(8, 8, dtype=dtype)
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+            torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 8, dtype=dtype), packed, None, "none", [], "")
+    except RuntimeError as e:
+        log.info("oneDNN cannot pack %s weights on this CPU: %s", dtype, e)
+        return False
+    return True
+
+
 def packing_supported(model) -> bool:
     """Whether ``model``'s linear layers can run on oneDNN-packed weights here."""
     p = next(model.parameters())
-    return p.device.type == "cpu" and p.dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+    return p.device.type == "cpu" and onednn_packs(p.dtype)
 
 
 class PackedLinear(nn.Module):
@@ -81,6 +103,12 @@ class PackedLinears:
         bad = next((m for m in (model, *more) if not packing_supported(m)), None)
         if bad is not None:
             p = next(bad.parameters())
+            if p.device.type == "cpu" and p.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+                raise ValueError(
+                    "oneDNN cannot pack bfloat16 weights on this CPU (it needs AVX512 BW/VL/DQ or "
+                    "AVX-NE-CONVERT): load the model in float32 (treespec.packing.default_dtype() picks "
+                    "bf16 only where the CPU computes it natively) or run it without packing"
+                )
             raise ValueError(
                 f"packed weights need a CPU model in float32 or bfloat16 with oneDNN available; "
                 f"this one is {p.dtype} on {p.device} (mkldnn available: "
