@@ -99,6 +99,9 @@ def taus(drafter, model, prompt_sets, args) -> dict[str, float]:
     from treespec.packing import PackedLinears, packing_supported
 
     out = {}
+    if not packing_supported(model):
+        log.info("tau on plain weights: oneDNN cannot pack %s here (tau is a count: the same, only slower)",
+                 next(model.parameters()).dtype)
     with PackedLinears(model) if packing_supported(model) else contextlib.nullcontext():
         for name, prompts in prompt_sets.items():
             for tree in args.trees:

@@ -27,16 +27,16 @@ for c in ${EXTRA:-}; do CONFIGS+=(--config "$c"); done
 LOOKUP=--no-hf-lookup
 [ -n "${HF_LOOKUP:-}" ] && LOOKUP=
 
-step gsm8k $R/$TAG-gsm8k50-bf16.json treespec bench --dtype bfloat16 --dataset gsm8k \
+step gsm8k $R/$TAG-gsm8k50-bf16.json treespec bench --dtype bfloat16 --pack --dataset gsm8k \
   --num-prompts 50 --max-new-tokens 256 $LOOKUP --no-treespec-ar "${CONFIGS[@]}" \
   --auto-profile $P --out $R/$TAG-gsm8k50-bf16.json
-step humaneval $R/$TAG-humaneval20-bf16.json treespec bench --dtype bfloat16 --dataset humaneval \
+step humaneval $R/$TAG-humaneval20-bf16.json treespec bench --dtype bfloat16 --pack --dataset humaneval \
   --num-prompts 20 --max-new-tokens 256 $LOOKUP --no-treespec-ar "${CONFIGS[@]}" \
   --auto-profile $P --out $R/$TAG-humaneval20-bf16.json
-step t1 $R/$TAG-gsm8k10-t1-bf16.json treespec bench --dtype bfloat16 --dataset gsm8k \
+step t1 $R/$TAG-gsm8k10-t1-bf16.json treespec bench --dtype bfloat16 --pack --dataset gsm8k \
   --num-prompts 10 --max-new-tokens 256 --temperature 1 --no-hf-lookup --no-treespec-ar "${CONFIGS[@]}" \
   --auto-profile $P --out $R/$TAG-gsm8k10-t1-bf16.json
-step useless $R/$TAG-ngram-chat12-t1-bf16.json treespec bench --dtype bfloat16 --dataset chat \
+step useless $R/$TAG-ngram-chat12-t1-bf16.json treespec bench --dtype bfloat16 --pack --dataset chat \
   --num-prompts 12 --max-new-tokens 256 --temperature 1 --no-hf-lookup --config ngram@chain-3 --config ngram@auto \
   --out $R/$TAG-ngram-chat12-t1-bf16.json
 echo "== done ($(date -u +%H:%M:%S))"

@@ -19,7 +19,7 @@ import time
 import torch
 
 from treespec.models import load
-from treespec.packing import PackedLinears, packing_supported
+from treespec.packing import PackedLinears, default_dtype, packing_supported
 from treespec.threads import default_threads
 from treespec.train import capture as capture_mod
 from treespec.train.capture import CaptureConfig, _feature_ids, capture_plan, capture_shards
@@ -38,8 +38,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads or default_threads())
-    dtype = torch.bfloat16 if torch.backends.mkldnn.is_available() else torch.float32
-    model, tok = load("smollm2-135m-instruct", dtype=dtype)
+    model, tok = load("smollm2-135m-instruct", dtype=default_dtype())  # as `treespec capture --dtype auto`
     fast = PackedLinears(model) if packing_supported(model) else None
     with fast if fast is not None else torch.inference_mode():
         if args.what == "decode":

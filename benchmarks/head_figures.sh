@@ -21,9 +21,9 @@ P=$R/auto-profile-$TAG-bfloat16.json         # the head alone: what ships beside
 PL=$R/auto-profile-$TAG-lookup-bfloat16.json  # the head with prompt lookup grafted on
 PM=$R/auto-profile-$TAG-merged-bfloat16.json  # the head's own calibration + lookup's sources
 # auto's profiles: the cost curve measured now, the calibrations on 10 GSM8K-train questions.
-step tune $P treespec tune --dtype bfloat16 --draft "$HEAD" --dataset "$TRAIN" --prompt-field question \
+step tune $P treespec tune --dtype bfloat16 --pack --draft "$HEAD" --dataset "$TRAIN" --prompt-field question \
   --num-prompts 10 --max-new-tokens 256 --refresh-costs --out $P --plot-dir $R/$TAG-plots
-step tune-lookup $PL treespec tune --dtype bfloat16 --draft "$HEAD+lookup" --dataset "$TRAIN" \
+step tune-lookup $PL treespec tune --dtype bfloat16 --pack --draft "$HEAD+lookup" --dataset "$TRAIN" \
   --prompt-field question --num-prompts 10 --max-new-tokens 256 --out $PL --plot-dir $R/$TAG-lookup-plots
 # The bench starts both drafters' auto from one profile: the head's calibration learned alone
 # (the hybrid's own source-0 calibration sees only the nodes lookup did not also propose) and
@@ -43,13 +43,13 @@ CONFIGS=(--config "$HEAD@chain-3" --config "$HEAD@cpu" --config "$HEAD@auto"
 # GSM8K test first 50, HumanEval first 20, chat-eval; 256 new tokens, greedy, bf16, plain HF
 # generate and HF generate on packed weights as baselines, HF prompt lookup beside the hybrid
 # (GSM8K without it: it takes the longest there).
-step humaneval $R/$TAG-humaneval20-bf16.json treespec bench --dtype bfloat16 --dataset humaneval \
+step humaneval $R/$TAG-humaneval20-bf16.json treespec bench --dtype bfloat16 --pack --dataset humaneval \
   --num-prompts 20 --max-new-tokens 256 --no-treespec-ar "${CONFIGS[@]}" ${OLD:+--config "$OLD@chain-3"} \
   --auto-profile $PM --out $R/$TAG-humaneval20-bf16.json
-step gsm8k $R/$TAG-gsm8k50-bf16.json treespec bench --dtype bfloat16 --dataset gsm8k \
+step gsm8k $R/$TAG-gsm8k50-bf16.json treespec bench --dtype bfloat16 --pack --dataset gsm8k \
   --num-prompts 50 --max-new-tokens 256 --no-hf-lookup --no-treespec-ar "${CONFIGS[@]}" \
   --auto-profile $PM --out $R/$TAG-gsm8k50-bf16.json
-step chat $R/$TAG-chat$CHAT-bf16.json treespec bench --dtype bfloat16 --dataset chat \
+step chat $R/$TAG-chat$CHAT-bf16.json treespec bench --dtype bfloat16 --pack --dataset chat \
   --num-prompts $CHAT --max-new-tokens 256 --no-treespec-ar "${CONFIGS[@]}" \
   --auto-profile $PM --out $R/$TAG-chat$CHAT-bf16.json
 echo "== done ($(date -u +%H:%M:%S))"

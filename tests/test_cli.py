@@ -395,3 +395,25 @@ def test_tree_show_with_lookup_grafted(capsys, tmp_path, lm_dir):
     assert rc == 0, err
     assert png.read_bytes()[:8] == PNG
     assert 16 <= int(re.search(r"\((\d+) drafted nodes", out).group(1)) <= 16 + 10
+
+
+def test_bench_bf16_where_onednn_cannot_pack_it(capsys, caplog, monkeypatch, tmp_path, tiny_dataset, lm_dir):
+    """On a CPU whose oneDNN packs fp32 but not bf16 (AMD Zen 3): the default --pack runs bf16 on
+    plain weights and says so; an explicit --pack is an error that says what to do."""
+    import treespec.packing as packing
+
+    monkeypatch.setattr(packing, "onednn_packs", lambda dtype: dtype == torch.float32)
+    args = ["bench", "--model", lm_dir, "--dataset", str(tiny_dataset), "--prompt-field", "text", "--num-prompts",
+            "1", "--max-new-tokens", "4", "--config", "ngram@chain-2", "--no-warmup", "--no-hf-lookup",
+            "--dtype", "bfloat16"]
+    out = tmp_path / "r.json"
+    with caplog.at_level("WARNING", logger="treespec.cli"):
+        rc, _, err = run(capsys, *args, "--out", str(out))
+    assert rc == 0, err
+    assert any("cannot pack bfloat16" in r.getMessage() for r in caplog.records)
+    data = json.loads(out.read_text())
+    assert data["settings"]["fast_path"] is None
+    assert [c["name"] for c in data["configs"]] == ["hf-generate", "ngram/chain-2"]  # no packed baselines
+    rc, _, err = run(capsys, *args, "--pack")
+    assert rc != 0
+    assert "cannot pack bfloat16" in error_line(err) and "--dtype float32" in err

@@ -255,8 +255,9 @@ def _add_runtime(p):
                         "fp32). auto: bfloat16 on a GPU or a CPU with native bf16 (AVX512-BF16/AMX), else float32")
     p.add_argument("--pack", action=argparse.BooleanOptionalAction, default=None,
                    help="run the model's linear layers on oneDNN-packed weights (CPU; about 0.5 s to pack, doubles "
-                        "the linear weights' memory). Default: on for a CPU model. In bench, HF generate is also "
-                        "run with packed weights, beside plain HF generate")
+                        "the linear weights' memory). Default: on for a CPU model whose dtype oneDNN packs here (fp32 "
+                        "always; bf16 with AVX512 or AVX-NE-CONVERT). In bench, HF generate is also run with "
+                        "packed weights, beside plain HF generate")
 
 
 def _check_early(args):
@@ -303,15 +304,17 @@ def _load_target(args):
 
 def _fast_path(args, model, drafters=()):
     """The packed-weights context for ``model`` and the drafters' modules, or None, per --pack."""
-    from .packing import PackedLinears, packing_supported
+    import torch
+
+    from .packing import PackedLinears, onednn_packs, packing_supported
 
     if args.pack is False:
         return None
     if args.pack is None and not packing_supported(model):
         p = next(model.parameters())
-        if p.device.type == "cpu":
-            log.warning("weights not packed: oneDNN cannot pack %s here (--dtype float32 packs), "
-                        "so the model runs on plain weights", p.dtype)
+        if p.device.type == "cpu" and p.dtype == torch.bfloat16 and onednn_packs(torch.float32):
+            log.warning("weights not packed: oneDNN cannot pack bfloat16 on this CPU, so the model runs on plain "
+                        "weights (--dtype float32 or auto packs; --pack makes this an error)")
         return None
     try:
         return PackedLinears(model, *(m for d in drafters for m in d.modules()))

@@ -106,8 +106,9 @@ class PackedLinears:
             if p.device.type == "cpu" and p.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
                 raise ValueError(
                     "oneDNN cannot pack bfloat16 weights on this CPU (it needs AVX512 BW/VL/DQ or "
-                    "AVX-NE-CONVERT): load the model in float32 (treespec.packing.default_dtype() picks "
-                    "bf16 only where the CPU computes it natively) or run it without packing"
+                    "AVX-NE-CONVERT): load the model in float32 (--dtype float32 or auto on the command "
+                    "line; treespec.packing.default_dtype() from Python picks bf16 only where the CPU computes "
+                    "it natively) or run it without packing (--no-pack)"
                 )
             raise ValueError(
                 f"packed weights need a CPU model in float32 or bfloat16 with oneDNN available; "
