@@ -19,7 +19,8 @@
 #             conversation: as many optimiser steps as the shipped head's two over 7,744)
 #
 # Every answer of the plan is kept (223 shards), so "capture" now only rebuilds: about 75 min on
-# the Zen 4 in bf16, 2.6 hours on a Zen 3 in fp32. With the row (~55 min of training on the Zen 4,
+# the Zen 4 in bf16, 2.6 hours on a Zen 3 in fp32, 21 min on an Intel Xeon with AMX (where the
+# ablate row trained in 35 min and two epochs take about 70). With the row (~55 min of training on the Zen 4,
 # more in fp32) and its tau (~10 min), that is more than one session on some machines: let runs/
 # outlive the work tree, which a new session gets laid anew while the machine may be handed on,
 #   mkdir -p /root/treespec-runs && ln -sfn /root/treespec-runs runs && echo /runs >> .git/info/exclude
