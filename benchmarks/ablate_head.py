@@ -99,10 +99,11 @@ def taus(drafter, model, prompt_sets, args) -> dict[str, float]:
     from treespec.packing import PackedLinears, packing_supported
 
     out = {}
-    if not packing_supported(model):
+    pack = packing_supported(model)
+    if not pack:
         log.info("tau on plain weights: oneDNN cannot pack %s here (tau is a count: the same, only slower)",
                  next(model.parameters()).dtype)
-    with PackedLinears(model) if packing_supported(model) else contextlib.nullcontext():
+    with PackedLinears(model) if pack else contextlib.nullcontext():
         for name, prompts in prompt_sets.items():
             for tree in args.trees:
                 out[f"{name}@{tree}"] = round(tau(model, drafter, tree, prompts, args.max_new_tokens), 3)
