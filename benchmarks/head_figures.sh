@@ -6,7 +6,8 @@
 #   HEAD=runs/head-s2/head TAG=head3 bash benchmarks/head_figures.sh 2>&1 | tee /tmp/head_figures.log
 #
 # HEAD: the head (a shipped name or a folder); OLD: another head run beside with chain-3 on
-# HumanEval; STEPS: which steps run; CHAT: how many chat-eval prompts.
+# HumanEval; STEPS: which steps run (add "ship" to write HEAD's auto-profile.json from the
+# merged profile); CHAT: how many chat-eval prompts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 R=benchmarks/results
@@ -52,4 +53,19 @@ step gsm8k $R/$TAG-gsm8k50-bf16.json treespec bench --dtype bfloat16 --pack --da
 step chat $R/$TAG-chat$CHAT-bf16.json treespec bench --dtype bfloat16 --pack --dataset chat \
   --num-prompts $CHAT --max-new-tokens 256 --no-treespec-ar "${CONFIGS[@]}" \
   --auto-profile $PM --out $R/$TAG-chat$CHAT-bf16.json
+# ship (not a default step: run it once the figures are in, for the head that ships): the merged
+# profile's calibrations, without this machine's cost curve and timings, as the head's own
+# auto-profile.json (what `auto` starts from with it; docs/trees.md).
+if [[ " $STEPS " == *" ship "* ]]; then
+  python - "$PM" "$HEAD" <<'EOF'
+import sys
+from treespec.assets import resolve_draft
+from treespec.auto import HEAD_PROFILE, AutoProfile
+profile = AutoProfile.load(sys.argv[1]).calibrations_only()
+profile.keys["note"] = ("calibrations only: auto reads the calibrations of a head directory's auto-profile.json (the "
+                        "head's own, learned alone; prompt lookup's, learned with lookup grafted on); the cost curve "
+                        f"is measured on each machine. Copied from {sys.argv[1]} (written by benchmarks/head_figures.sh).")
+print("== ship:", profile.save(resolve_draft(sys.argv[2]) / HEAD_PROFILE))
+EOF
+fi
 echo "== done ($(date -u +%H:%M:%S))"
