@@ -1,0 +1,271 @@
+"""Self-generated user turns ("Magpie", Xu et al. 2024): prompts that look like what people ask.
+
+An aligned chat model given its chat template up to the start of a user turn writes a
+plausible user message. Sampled at temperature about 1 (top-p 0.95) the target itself writes
+thousands of varied requests (questions, tasks, stories, code) in the distribution its chat
+tuning saw, which a draft head then learns to follow; templated prompts cover only the
+templates someone wrote.
+
+    rows = generate_user_turns(model, tok, n=512, seed=0)      # raw, seeded
+    kept, report = filter_user_turns(rows, EvalOverlap.packaged())  # cleaned, deduplicated
+    follow = generate_user_turns(model, tok, n=64, seed=1, history=[[{"role": "user", ...},
+                                 {"role": "assistant", ...}]])  # second turns
+
+Every chunk of ``batch_size`` messages is sampled from its own seed, ``(seed, chunk)``, so a
+chunk is the same whatever ran before it (on one machine, dtype and thread count: sampling
+follows the logits' rounding). The filters are deterministic.
+
+Build the shipped set (resumable: chunks are kept in ``--work`` and skipped when present)::
+
+    python -m treespec.train.magpie --n 32768 --work runs/magpie --out treespec/data
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gzip
+import io
+import json
+import logging
+import re
+import unicodedata
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+__all__ = ["user_turn_prefix", "generate_user_turns", "filter_user_turns", "EvalOverlap", "normalise"]
+
+log = logging.getLogger(__name__)
+
+_MARK = "\u2063MAGPIE\u2063"  # a placeholder no template touches (invisible separator around a word)
+
+
+def user_turn_prefix(tokenizer, history: list[dict] | None = None) -> list[int]:
+    """Token ids of the chat template up to where the next user message's text starts.
+
+    ``history``: earlier turns (user, assistant, ...); the template's default system prompt, if
+    it adds one, is kept. Found by rendering a placeholder message and cutting before it, so
+    it holds for any template that copies the message text verbatim.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("self-generated user turns need a chat model: the tokenizer has no chat template")
+    text = tokenizer.apply_chat_template(list(history or []) + [{"role": "user", "content": _MARK}], tokenize=False)
+    if text.count(_MARK) != 1:
+        raise ValueError("the chat template does not copy a user message verbatim; cannot find where a user turn starts")
+    return tokenizer(text.split(_MARK)[0], add_special_tokens=False)["input_ids"]
+
+
+def _end_ids(tokenizer) -> set[int]:
+    """Tokens that end a turn: EOS and, where the template closes turns with its own token, that."""
+    ends = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    for t in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>"):
+        i = tokenizer.convert_tokens_to_ids(t)
+        if isinstance(i, int) and i != tokenizer.unk_token_id and i >= 0:
+            ends.add(i)
+    return ends
+
+
+def generate_user_turns(model, tokenizer, n: int, seed: int = 0, *, chunk: int = 0, batch_size: int = 64,
+                        temperature: float = 1.0, top_p: float = 0.95, max_new_tokens: int = 160,
+                        history: list[list[dict]] | None = None) -> list[dict]:
+    """``n`` user messages sampled from the target, as ``{"prompt", "seed", "chunk", "ended"}``.
+
+    Messages are sampled ``batch_size`` at a time; chunk ``chunk + k`` from seed ``(seed, chunk + k)``.
+    ``history``: one earlier conversation per message (all of the same turn count), for
+    follow-up turns; without it, first turns. ``ended`` is False when the message ran into
+    ``max_new_tokens`` (the filters drop those: a cut request is not a request).
+    """
+    if not 0 < temperature or not 0 < top_p <= 1:
+        raise ValueError(f"need temperature > 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+    if history is not None and len(history) != n:
+        raise ValueError(f"history needs one conversation per message: {len(history)} for n={n}")
+    from ..engine import generate
+
+    ends = sorted(_end_ids(tokenizer))
+    out: list[dict] = []
+    for k, start in enumerate(range(0, n, batch_size)):
+        rows = range(start, min(start + batch_size, n))
+        prefixes = [user_turn_prefix(tokenizer, history[i] if history else None) for i in rows]
+        # One generator per message, seeded by (seed, chunk, row): a message does not depend on
+        # the others in its batch. Through treespec's engine without a draft: a batch drops
+        # its finished rows, and it runs on packed weights where the caller packed them.
+        seeds = [hash((seed, chunk + k, j)) & 0x7FFFFFFF for j in range(len(prefixes))]  # ints hash alike in every process
+        gen = generate(model, "none", "chain-1", prefixes, max_new_tokens=max_new_tokens, temperature=temperature,
+                       top_p=top_p, seed=seeds, eos_token_id=ends)
+        for row in gen.sequences:
+            cut = next((j for j, t in enumerate(row) if t in ends), None)
+            text = tokenizer.decode(row[:cut], skip_special_tokens=True).strip()
+            out.append({"prompt": text, "seed": seed, "chunk": chunk + k, "ended": cut is not None})
+    return out
+
+
+# ---- filters ----------------------------------------------------------------------------------
+
+
+def normalise(text: str) -> str:
+    """Lower case, accents folded, punctuation and runs of space as one space: what two texts
+    that say the same words have in common."""
+    t = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode().lower()
+    return " ".join(re.findall(r"[a-z0-9]+", t))
+
+
+def _ngrams(words: list[str], n: int) -> set[tuple[str, ...]]:
+    return {tuple(words[i: i + n]) for i in range(len(words) - n + 1)}
+
+
+@dataclass
+class EvalOverlap:
+    """What a training prompt must not share with the evaluation sets: equal normalised text,
+    or any run of ``n`` consecutive words (long enough that only copied text shares one)."""
+
+    texts: set[str] = field(default_factory=set)
+    grams: set[tuple[str, ...]] = field(default_factory=set)
+    n: int = 8
+
+    @classmethod
+    def of(cls, texts, n: int = 8) -> "EvalOverlap":
+        o = cls(n=n)
+        for t in texts:
+            norm = normalise(t)
+            o.texts.add(norm)
+            o.grams |= _ngrams(norm.split(), n)
+        return o
+
+    @classmethod
+    def packaged(cls, n: int = 8) -> "EvalOverlap":
+        """Spec-Bench (every turn), GSM8K test, HumanEval prompts and chat-eval."""
+        from ..data import load_dataset
+
+        texts = [t for r in load_dataset("spec-bench") for t in r["turns"]]
+        texts += [r["question"] for r in load_dataset("gsm8k-test")]
+        texts += [r["prompt"] for r in load_dataset("humaneval")]
+        texts += [r["prompt"] for r in load_dataset("chat-eval")]
+        return cls.of(texts, n)
+
+    def hits(self, text: str) -> bool:
+        norm = normalise(text)
+        return norm in self.texts or not self.grams.isdisjoint(_ngrams(norm.split(), self.n))
+
+
+def _degenerate(text: str) -> str | None:
+    """Why ``text`` reads as a broken generation, or None."""
+    words = text.split()
+    if re.search(r"(.)\1{9,}", text):
+        return "a character repeated 10 times"
+    if len(words) >= 12 and len(set(words)) / len(words) < 0.4:
+        return "few distinct words"
+    grams = Counter(zip(words, words[1:], words[2:]))
+    if grams and grams.most_common(1)[0][1] >= 3:
+        return "a three-word phrase repeated"
+    return None
+
+
+def _not_english(text: str) -> bool:
+    """Mostly non-ASCII letters, or none of the commonest English words."""
+    letters = [c for c in text if c.isalpha()]
+    if not letters or sum(c.isascii() for c in letters) / len(letters) < 0.97:
+        return True
+    common = {"the", "a", "an", "i", "you", "is", "are", "to", "of", "and", "in", "for", "what", "how", "can", "my",
+              "me", "it", "on", "with", "this", "that", "do", "be", "your", "please", "write", "about"}
+    return not common & set(normalise(text).split())
+
+
+def filter_user_turns(rows: list[dict], overlap: EvalOverlap | None = None, *, min_chars: int = 12,
+                      max_chars: int = 1200, dedup_threshold: float = 0.7, seed: int = 0) -> tuple[list[dict], Counter]:
+    """The rows worth training on, in their order, and a count of what was dropped and why.
+
+    Drops: cut off (``ended`` False), too short or long, not English, degenerate repetition,
+    overlap with the evaluation sets, and near-duplicates of an earlier kept row (MinHash
+    over word 3-grams, estimated Jaccard >= ``dedup_threshold``; exact normalised duplicates
+    always).
+    """
+    from datasketch import MinHash, MinHashLSH
+
+    lsh = MinHashLSH(threshold=dedup_threshold, num_perm=64)
+    seen: set[str] = set()
+    kept, why = [], Counter()
+    for k, row in enumerate(rows):
+        text = row["prompt"]
+        norm = normalise(text)
+        if not row.get("ended", True):
+            why["cut off"] += 1
+        elif not min_chars <= len(text) <= max_chars or len(norm.split()) < 3:
+            why["length"] += 1
+        elif _not_english(text):
+            why["not English"] += 1
+        elif _degenerate(text):
+            why["repetition"] += 1
+        elif overlap is not None and overlap.hits(text):
+            why["overlaps an evaluation set"] += 1
+        elif norm in seen:
+            why["duplicate"] += 1
+        else:
+            words = norm.split()
+            m = MinHash(num_perm=64, seed=seed)
+            m.update_batch([" ".join(g).encode() for g in zip(words, words[1:], words[2:])] or [norm.encode()])
+            if lsh.query(m):
+                why["near-duplicate"] += 1
+                continue
+            lsh.insert(str(k), m)
+            seen.add(norm)
+            kept.append(row)
+    return kept, why
+
+
+# ---- the shipped set ----------------------------------------------------------------------------
+
+
+def _write_gz(path: Path, rows) -> None:
+    buf = io.BytesIO()
+    with gzip.GzipFile(fileobj=buf, mode="wb", mtime=0) as f:
+        for r in rows:
+            f.write((json.dumps(r, ensure_ascii=False) + "\n").encode())
+    path.write_bytes(buf.getvalue())
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m treespec.train.magpie", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--n", type=int, default=32768, help="raw first-turn messages to sample (before filtering)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=64, help="messages per chunk (each chunk has its own seed)")
+    p.add_argument("--dtype", default="auto", help="auto: bf16 where the CPU has it natively, else fp32")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--work", default="runs/magpie", help="folder of raw chunks (a re-run skips those present)")
+    p.add_argument("--out", default=None, help="write magpie_chat.jsonl.gz (filtered) here, e.g. treespec/data")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    from tqdm import tqdm
+
+    from ..models import load
+    from ..packing import PackedLinears, default_dtype, packing_supported
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    chunks = range((args.n + args.batch_size - 1) // args.batch_size)
+    todo = [c for c in chunks if not (work / f"chunk-{c:05d}.jsonl").exists()]
+    if todo:
+        model, tok = load(args.model, dtype=default_dtype() if args.dtype == "auto" else getattr(torch, args.dtype))
+        with PackedLinears(model) if packing_supported(model) else contextlib.nullcontext():
+            for c in tqdm(todo, desc="user turns", unit="chunk"):
+                rows = generate_user_turns(model, tok, args.batch_size, args.seed, chunk=c, batch_size=args.batch_size)
+                tmp = work / f"chunk-{c:05d}.jsonl.tmp"
+                tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+                tmp.replace(work / f"chunk-{c:05d}.jsonl")
+    rows = [json.loads(line) for c in chunks for line in (work / f"chunk-{c:05d}.jsonl").read_text().splitlines()]
+    kept, why = filter_user_turns(rows, EvalOverlap.packaged())
+    print(f"{len(kept)} of {len(rows)} kept; dropped: {dict(why.most_common())}")
+    if args.out:
+        path = Path(args.out) / "magpie_chat.jsonl.gz"
+        _write_gz(path, ({"prompt": r["prompt"], "seed": r["seed"], "chunk": r["chunk"]} for r in kept))
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
