@@ -58,6 +58,7 @@ def test_every_dataset_file_has_its_licence():
     for lic in ("LICENSE-gsm8k", "LICENSE-humaneval"):
         text = (Path(data.__file__).parent / lic).read_text()
         assert "MIT License" in text and "Copyright (c)" in text and "OpenAI" in text
+    assert "Apache License" in (Path(data.__file__).parent / "LICENSE-spec-bench").read_text()
 
 
 def test_bench_datasets_need_no_shared_folder(monkeypatch, tmp_path):
@@ -82,6 +83,8 @@ def test_pyproject_package_data_carries_every_data_file():
     folder = Path(data.__file__).parent
     files = [p.relative_to(folder.parent).as_posix() for p in folder.iterdir()
              if p.is_file() and p.suffix != ".py" and p.name != "__pycache__"]
-    assert len(files) == 10  # six datasets, three licences, the README
+    licences = [f for f in files if f.startswith("data/LICENSE-")]
+    assert len(files) == len(data.DATASETS) + len(licences) + 1  # the datasets, their licences, the README
+    assert len(licences) == 4
     for f in files:
         assert any(fnmatch.fnmatch(f, pat) for pat in patterns), f"{f} would be left out of a wheel"

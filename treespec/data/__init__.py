@@ -42,8 +42,6 @@ DATASETS: dict[str, tuple[str, str]] = {
     "stdlib-code": ("stdlib_code.jsonl.gz", "3,168 code prompts from Python's standard library docstrings (PSF)"),
     "chat-train": ("chat_train.jsonl.gz", "3,808 self-instruct chat prompts (238 topics x 16 templates)"),
     "chat-eval": ("chat_eval.jsonl.gz", "48 held-out chat prompts (topics and templates kept out of chat-train)"),
-    "magpie-chat": ("magpie_chat.jsonl.gz", "self-generated user turns (the target writes the user's message), "
-                    "filtered; training prompts"),
     # Evaluation only (its licence allows more, but a speed benchmark trained on measures nothing).
     "spec-bench": ("spec_bench.jsonl.gz", "Spec-Bench: 480 questions in 13 categories (question_id, category, turns); "
                    "evaluation only"),
