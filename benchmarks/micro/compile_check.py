@@ -6,7 +6,7 @@ ways in one process: eager on plain weights, eager on oneDNN-packed weights
 the token count; treespec's attention function stays outside the graph, since it reads the
 paged cache through Python objects). Compilation time is reported separately.
 
-    python benchmarks/compile_check.py [--dtype bfloat16] [--threads 2]
+    python benchmarks/micro/compile_check.py [--dtype bfloat16] [--threads 2]
 
 Not part of the library: the measurement that decided to ship packed weights and not a
 compiled forward (docs/benchmarks.md).
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
         print(f"{name:28}" + "".join(f"{r[q]:9.1f}" for q in args.sizes))
     out = args.out or ROOT / "benchmarks" / "results" / f"compile_check-{args.dtype}.json"
     out.write_text(json.dumps({
-        "command": "python benchmarks/compile_check.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python benchmarks/micro/compile_check.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": info, "dtype": args.dtype, "compile_seconds": compile_seconds,
         "ms": {k: {str(q): v for q, v in r.items()} for k, r in rows.items()},
     }, indent=2) + "\n")

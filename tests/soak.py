@@ -1,8 +1,8 @@
 """Soak test: many requests of mixed lengths through ``treespec.generate`` on the shipped pair.
 
-    python benchmarks/soak.py                        # 1,000 requests (tens of minutes on 2 cores)
-    python benchmarks/soak.py --requests 30          # a quick look
-    python benchmarks/soak.py --out benchmarks/results/soak.json
+    python tests/soak.py                        # 1,000 requests (tens of minutes on 2 cores)
+    python tests/soak.py --requests 30          # a quick look
+    python tests/soak.py --out benchmarks/results/soak.json
 
 SmolLM2-135M-Instruct with its shipped EAGLE-3 head, prompts from the packaged GSM8K test and
 HumanEval sets (one to three questions joined, so prompt lengths vary about tenfold), in
@@ -261,7 +261,7 @@ def main(argv=None) -> int:
           f"RSS grew {growth:.0f} MB after the warm-up ({baseline:.0f} -> {rss_end:.0f} MB)")
 
     summary = {
-        "command": "python benchmarks/soak.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python tests/soak.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "requests": done, "batches": batches, "greedy_requests": greedy, "sampled_requests": sampled,
         "generated_tokens": generated, "seconds": round(seconds, 1), "load_seconds": round(load_seconds, 1),
         "tokens_per_second": round(generated / seconds, 2) if seconds > 0 else None,

@@ -2,7 +2,7 @@
 loss, 3 steps, batch of 8 captured conversations) in fp32 and under bf16 autocast, in
 alternation, on one capture's conversations.
 
-    python benchmarks/train_step_speed.py --capture runs/cap-val --threads 1
+    python benchmarks/training/train_step_speed.py --capture runs/cap-val --threads 1
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The head on the whole capture plan (issue 10), in steps that resume and span sessions
-# (a new checkout has no runs/: the answers kept in benchmarks/captures bring the capture back).
+# (a new checkout has no runs/: the answers kept in benchmarks/data/captures bring the capture back).
 #
-#   mkdir -p runs && STEPS="restore capture keep" bash benchmarks/head_all.sh 2>&1 | tee -a runs/head_all.log
+#   mkdir -p runs && STEPS="restore capture keep" bash benchmarks/training/head_all.sh 2>&1 | tee -a runs/head_all.log
 #
-#   restore   into runs/cap-val and runs/cap-all, the answers kept in benchmarks/captures that
+#   restore   into runs/cap-val and runs/cap-all, the answers kept in benchmarks/data/captures that
 #             they lack (and capture.json where missing): those shards are then rebuilt, not decoded
 #   capture   the held-out and the main capture: shards with answers files are rebuilt from
 #             them, the rest decoded (run again to resume; keep commits what it added)
-#   keep      copy the answers files back to benchmarks/captures (then commit them)
+#   keep      copy the answers files back to benchmarks/data/captures (then commit them)
 #   ablate    the "data: all" row of the ablation table (one epoch, reduced protocol), in
 #             runs/ablate-all (a row name the earlier runs/ablate already holds), appended to
 #             benchmarks/results/ablate-head.jsonl
@@ -28,7 +28,7 @@
 # and every step resumes there: shards are skipped once written, training continues from its
 # checkpoint.pt (every 200 steps), ablate_head.py skips the rows it has.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 STEPS=${STEPS:-"restore capture keep"}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 say() { echo "== $* ($(date -u +%H:%M:%S))"; }
@@ -37,19 +37,19 @@ ALL=(--data "gsm8k-train[:7400],stdlib-code[:3100],chat-train[:3750]" --out runs
      --sample-share 0.2 --sample-temperature 0.8 --threads 2)
 if has restore; then
   for c in cap-val cap-all; do
-    say "restore runs/$c from benchmarks/captures/$c (what it lacks)"
+    say "restore runs/$c from benchmarks/data/captures/$c (what it lacks)"
     mkdir -p runs/$c
-    cp -n benchmarks/captures/$c/capture.json benchmarks/captures/$c/answers-*.jsonl.gz runs/$c/
+    cp -n benchmarks/data/captures/$c/capture.json benchmarks/data/captures/$c/answers-*.jsonl.gz runs/$c/
   done
 fi
 if has capture; then
   say capture runs/cap-val; treespec capture "${VAL[@]}"
   say capture runs/cap-all; treespec capture "${ALL[@]}"
 fi
-if has keep; then say keep; bash benchmarks/keep_answers.sh runs/cap-val runs/cap-all; fi
+if has keep; then say keep; bash benchmarks/training/keep_answers.sh runs/cap-val runs/cap-all; fi
 if has ablate; then
   say ablate data-all
-  python benchmarks/ablate_head.py --capture runs/cap-all --val-capture runs/cap-val --out runs/ablate-all \
+  python benchmarks/training/ablate_head.py --capture runs/cap-all --val-capture runs/cap-val --out runs/ablate-all \
     --sizes all --epochs 1 --threads 2 --eval gsm8k:20,humaneval:12 --max-new-tokens 128 --only data-all
   grep -qxFf runs/ablate-all/results.jsonl benchmarks/results/ablate-head.jsonl ||
     cat runs/ablate-all/results.jsonl >> benchmarks/results/ablate-head.jsonl
@@ -60,7 +60,7 @@ if has train; then
 fi
 if has validate; then
   say validate
-  python benchmarks/validate_head.py --head "${HEAD:-runs/ablate-all/data-all/head}" --head smollm2-135m-instruct-eagle \
+  python benchmarks/training/validate_head.py --head "${HEAD:-runs/ablate-all/data-all/head}" --head smollm2-135m-instruct-eagle \
     --val-capture runs/cap-val --val-examples 64 | tee benchmarks/results/validate-head-all.txt
 fi
 say done

@@ -3,7 +3,7 @@ committed per verify forward) of each drafter alone, and for lookup the share of
 which it had a chain that held at all and how long those runs were. tau is a count: it does
 not depend on the machine's load.
 
-    python benchmarks/lookup_tau.py --dataset humaneval --num-prompts 12 --max-new-tokens 256
+    python benchmarks/micro/lookup_tau.py --dataset humaneval --num-prompts 12 --max-new-tokens 256
 """
 
 from __future__ import annotations

@@ -7,10 +7,10 @@ test step), and measures tau (tokens per target forward, greedy, batch 1, exactl
 line per row to ``OUT/results.jsonl`` (a row already there is skipped: rerun to resume)
 and rewrites ``OUT/results.md`` from it.
 
-    python benchmarks/ablate_head.py --capture runs/cap-all --reference-capture runs/cap-ref \\
+    python benchmarks/training/ablate_head.py --capture runs/cap-all --reference-capture runs/cap-ref \\
         --val-capture runs/cap-val --out runs/ablate            # every row
-    python benchmarks/ablate_head.py ... --only base,vocab-8192  # some rows
-    python benchmarks/ablate_head.py ... --existing shipped=smollm2-135m-instruct-eagle  # a row for a head trained elsewhere
+    python benchmarks/training/ablate_head.py ... --only base,vocab-8192  # some rows
+    python benchmarks/training/ablate_head.py ... --existing shipped=smollm2-135m-instruct-eagle  # a row for a head trained elsewhere
 
 Rows (the base: the first --base-examples conversations (default every one), target-written
 answers, draft vocabulary 4096, 3 training-time-test steps, EAGLE-3; every other row changes
@@ -222,7 +222,7 @@ def main(argv=None) -> int:
     for item in args.eval.split(","):
         name, _, n = item.rpartition(":")
         prompt_sets[Path(name).stem if name.endswith(".jsonl") else name] = load_prompts(name, tok, int(n))[0]
-    command = "python benchmarks/ablate_head.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python benchmarks/training/ablate_head.py " + " ".join(sys.argv[1:] if argv is None else argv)
     for item in args.existing:
         name, sep, head = item.partition("=")
         if not sep or not name or not head:

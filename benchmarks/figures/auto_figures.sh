@@ -9,17 +9,17 @@
 # TAG renames the outputs. Each step writes its JSON/TXT under
 # benchmarks/results/ and is skipped when that file exists: rerun to resume.
 #
-#   bash benchmarks/auto_figures.sh 2>&1 | tee /tmp/auto_figures.log
+#   bash benchmarks/figures/auto_figures.sh 2>&1 | tee /tmp/auto_figures.log
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 R=benchmarks/results
 HEAD=${HEAD:-smollm2-135m-instruct-eagle}
 TAG=${TAG:-auto}
 STEPS=${STEPS:-"gsm8k humaneval t1 useless"}
-# auto's profile for the shipped head (written by benchmarks/head_figures.sh's tune step:
+# auto's profile for the shipped head (written by benchmarks/figures/head_figures.sh's tune step:
 # cost curve on this machine, calibration from 10 GSM8K-train questions).
 P=${PROFILE:-$R/auto-profile-head2-bfloat16.json}
-source benchmarks/steps.sh
+source benchmarks/figures/steps.sh
 CONFIGS=()
 TREES=${TREES:-"chain-1 chain-2 chain-3 chain-4 cpu-tiny cpu eagle2 auto"}
 for t in $TREES; do CONFIGS+=(--config "$HEAD@$t"); done

@@ -4,7 +4,7 @@ repeats), next to one HF generate decode step in the same dtype. This is the cur
 decides which tree pays off: a tree of q-1 drafted tokens must commit more than
 cost(q) / cost(1) tokens.
 
-    python benchmarks/forward_cost.py [--dtype bfloat16] [--pack | --no-pack] [--repeats 9]
+    python benchmarks/micro/forward_cost.py [--dtype bfloat16] [--pack | --no-pack] [--repeats 9]
 
 Each q is timed with and without oneDNN-packed weights in alternation (``--pack both``, the
 default), so that machine drift falls on both alike; the HF decode step is timed plain and
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     out = args.out or ROOT / "benchmarks" / "results" / f"forward_cost-{args.dtype}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
-        "command": "python benchmarks/forward_cost.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python benchmarks/micro/forward_cost.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "model": args.model, "dtype": args.dtype, "prefix": args.prefix, "repeats": args.repeats,
         "machine": info, "hf_decode_step_ms": hf, "rows": rows,
     }, indent=2) + "\n")

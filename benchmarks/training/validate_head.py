@@ -2,7 +2,7 @@
 folder) on a capture's greedy conversations, exactly as ``train-eagle --val-captured``
 validates a head it trains: heads trained on different data compare on one set.
 
-    python benchmarks/validate_head.py --head smollm2-135m-instruct-eagle --val-capture runs/cap-val
+    python benchmarks/training/validate_head.py --head smollm2-135m-instruct-eagle --val-capture runs/cap-val
 """
 
 from __future__ import annotations

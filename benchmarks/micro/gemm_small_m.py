@@ -6,7 +6,7 @@ One SmolLM2 MLP weight (1536 x 576, fp32) times M rows, M = 1..32: PyTorch's eag
 with ``MKL_VERBOSE=1`` to see MKL's calls and ``MKL_ENABLE_INSTRUCTIONS=AVX512`` (or AVX2) to
 test whether MKL's instruction-set choice is the cause.
 
-    python benchmarks/gemm_small_m.py [--dtype bfloat16]
+    python benchmarks/micro/gemm_small_m.py [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

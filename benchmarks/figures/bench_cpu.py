@@ -2,8 +2,8 @@
 
 Run from the repository root (installed or not):
 
-    python benchmarks/bench_cpu.py                    # 50 GSM8K test questions: 7 configs x 50 x 256 tokens, long
-    python benchmarks/bench_cpu.py --num-prompts 10   # a quicker look
+    python benchmarks/figures/bench_cpu.py                    # 50 GSM8K test questions: 7 configs x 50 x 256 tokens, long
+    python benchmarks/figures/bench_cpu.py --num-prompts 10   # a quicker look
 
 It runs, in one process and side by side on the same prompts (every configuration on
 question i before question i+1):
@@ -34,7 +34,7 @@ import argparse
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from treespec.cli import main as treespec_main  # noqa: E402
