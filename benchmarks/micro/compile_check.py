@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # the checkout's treespec and benchmarks.timing
 
 import torch  # noqa: E402
 
+from benchmarks.timing import Timer, command, machine_line, median_ms  # noqa: E402
 from treespec import attention  # noqa: E402
 from treespec.bench import machine_info  # noqa: E402
 from treespec.mask import causal_mask  # noqa: E402
@@ -45,14 +44,7 @@ def curve(runner, prompt, sizes, repeats) -> dict[int, float]:
         for q in sizes:
             def run():
                 runner.forward(cache, [seq], [prompt[:q]], [torch.arange(P, P + q)], [causal_mask(q)])
-            run()
-            run()
-            times = []
-            for _ in range(repeats):
-                t = time.perf_counter()
-                run()
-                times.append(1000 * (time.perf_counter() - t))
-            out[q] = statistics.median(times)
+            out[q] = median_ms(run, repeats, warmup=2)
     return out
 
 
@@ -84,9 +76,9 @@ def main(argv=None) -> int:
     try:
         for layer in layers:
             layer.forward = torch.compile(layer.forward, dynamic=True)
-        t = time.perf_counter()
-        curve(runner, prompt, args.sizes, 1)  # compiles
-        compile_seconds = time.perf_counter() - t
+        with Timer() as compiling:
+            curve(runner, prompt, args.sizes, 1)  # compiles
+        compile_seconds = compiling.seconds
         rows["compiled layers (inductor)"] = curve(runner, prompt, args.sizes, args.repeats)
     finally:
         for layer, fwd in zip(layers, plain_forward):
@@ -94,14 +86,14 @@ def main(argv=None) -> int:
         attention.AttentionInterface.register(attention.ATTENTION_NAME, real)
 
     info = machine_info()
-    print(f"{args.model}, {args.dtype}, {torch.get_num_threads()} threads, {info['cpu']}: ms per forward "
-          f"of q tokens (median of {args.repeats}); compiling took {compile_seconds:.0f} s")
+    print(f"{machine_line(args.model, args.dtype)}: ms per forward of q tokens (median of {args.repeats}); "
+          f"compiling took {compile_seconds:.0f} s")
     print(f"{'':28}" + "".join(f"{'q=' + str(q):>9}" for q in args.sizes))
     for name, r in rows.items():
         print(f"{name:28}" + "".join(f"{r[q]:9.1f}" for q in args.sizes))
     out = args.out or ROOT / "benchmarks" / "results" / f"compile_check-{args.dtype}.json"
     out.write_text(json.dumps({
-        "command": "python benchmarks/micro/compile_check.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command(__file__, argv),
         "machine": info, "dtype": args.dtype, "compile_seconds": compile_seconds,
         "ms": {k: {str(q): v for q, v in r.items()} for k, r in rows.items()},
     }, indent=2) + "\n")

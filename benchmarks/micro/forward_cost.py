@@ -18,14 +18,14 @@ import contextlib
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # the checkout's treespec and benchmarks.timing
 
 import torch  # noqa: E402
 
+from benchmarks.timing import Timer, command, machine_line  # noqa: E402
 from treespec.bench import machine_info  # noqa: E402
 from treespec.mask import causal_mask  # noqa: E402
 from treespec.models import load  # noqa: E402
@@ -41,12 +41,11 @@ def hf_step_ms(model, ids, repeats: int) -> float:
     with torch.inference_mode():
         model.generate(ids, max_new_tokens=4, do_sample=False)
         for _ in range(max(repeats // 3, 1)):
-            t = time.perf_counter()
-            model.generate(ids, max_new_tokens=33, min_new_tokens=33, do_sample=False)
-            long = time.perf_counter() - t
-            t = time.perf_counter()
-            model.generate(ids, max_new_tokens=1, do_sample=False)
-            steps.append(1000 * (long - (time.perf_counter() - t)) / 32)
+            with Timer() as long:
+                model.generate(ids, max_new_tokens=33, min_new_tokens=33, do_sample=False)
+            with Timer() as one:
+                model.generate(ids, max_new_tokens=1, do_sample=False)
+            steps.append((long.ms - one.ms) / 32)
     return statistics.median(steps)
 
 
@@ -82,14 +81,11 @@ def main(argv=None) -> int:
         for rep in range(args.repeats + 1):  # the first round warms every shape up, untimed
             for q in SIZES:
                 for m in modes:
-                    with packed if m == "packed" else contextlib.nullcontext():
-                        sync()
-                        t = time.perf_counter()
+                    with packed if m == "packed" else contextlib.nullcontext(), Timer(sync) as t:
                         runner.forward(cache, [seq], [prompt[:q]], [torch.arange(args.prefix, args.prefix + q)],
                                        [causal_mask(q)])
-                        sync()
-                        if rep:
-                            times[m][q].append(1000 * (time.perf_counter() - t))
+                    if rep:
+                        times[m][q].append(t.ms)
     hf = {}
     ids = prompt[None]
     for m in modes:
@@ -97,8 +93,7 @@ def main(argv=None) -> int:
             hf[m] = hf_step_ms(model, ids, args.repeats)
 
     info = machine_info()
-    print(f"{args.model}, {args.dtype}, {args.prefix} cached tokens, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, {info['cpu']}")
+    print(machine_line(args.model, args.dtype, f"{args.prefix} cached tokens"))
     head = "q    " + "".join(f"{m + ' ms':>12}{'x cost(1)':>11}" for m in modes)
     print(head)
     rows = []
@@ -115,7 +110,7 @@ def main(argv=None) -> int:
     out = args.out or ROOT / "benchmarks" / "results" / f"forward_cost-{args.dtype}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
-        "command": "python benchmarks/micro/forward_cost.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command(__file__, argv),
         "model": args.model, "dtype": args.dtype, "prefix": args.prefix, "repeats": args.repeats,
         "machine": info, "hf_decode_step_ms": hf, "rows": rows,
     }, indent=2) + "\n")

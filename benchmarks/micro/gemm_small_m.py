@@ -13,28 +13,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # the checkout's treespec and benchmarks.timing
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from treespec.bench import machine_info  # noqa: E402
+from benchmarks.timing import machine_line, median_ms  # noqa: E402
 
 
 def median_us(fn, repeats=300) -> float:
-    for _ in range(20):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1e6 * statistics.median(times)
+    return 1000 * median_ms(fn, repeats, warmup=20)
 
 
 def main(argv=None) -> int:
@@ -45,8 +37,8 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype)
     w = torch.randn(1536, 576).to(dtype)
     packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)
-    print(f"{machine_info()['cpu']}, torch {torch.__version__}, {args.dtype}, weight 1536 x 576, "
-          f"MKL_ENABLE_INSTRUCTIONS={os.environ.get('MKL_ENABLE_INSTRUCTIONS', 'unset')}: microseconds per call")
+    mkl = f"MKL_ENABLE_INSTRUCTIONS={os.environ.get('MKL_ENABLE_INSTRUCTIONS', 'unset')}"
+    print(f"{machine_line(args.dtype, 'weight 1536 x 576', mkl, threads=False)}: microseconds per call")
     print(f"{'threads':>7} {'M':>3} {'eager F.linear':>15} {'oneDNN packed':>14} {'eager x M=1':>12} {'packed x M=1':>13}")
     for threads in args.threads:
         torch.set_num_threads(threads)

@@ -11,8 +11,8 @@ tree tokens after a prompt, through treespec's runner, split into
 
     python benchmarks/micro/profile_verify.py [--dtype bfloat16] [--q 16] [--pack both]
 
-With ``--pack no`` the script also runs against an older checkout (copy it into that
-checkout's benchmarks/ folder): the "before" column of docs/benchmarks.md.
+With ``--pack no`` the script also runs against an older checkout (copy ``benchmarks/__init__.py``,
+``benchmarks/timing.py`` and ``benchmarks/micro/`` into it): the "before" column of docs/benchmarks.md.
 
 The library is not instrumented: this script wraps the cache, backend and LM head methods
 in ``record_function`` labels for the duration of the profile.
@@ -24,17 +24,16 @@ import argparse
 import contextlib
 import functools
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # the checkout's treespec and benchmarks.timing
 
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
+from benchmarks.timing import command, machine_line, median_ms  # noqa: E402
 from treespec import attention  # noqa: E402
 from treespec.bench import machine_info  # noqa: E402
 from treespec.kv_cache import PagedKVCache  # noqa: E402
@@ -80,11 +79,7 @@ def labelled(model):
 
 def breakdown(run, model, repeats: int) -> dict:
     """Milliseconds per forward by category (profiled) and the unprofiled wall time."""
-    walls = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        run()
-        walls.append(1000 * (time.perf_counter() - t))
+    wall = median_ms(run, repeats)
     with labelled(model), profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(repeats):
             run()
@@ -96,7 +91,6 @@ def breakdown(run, model, repeats: int) -> dict:
            "plan": total.get("plan", 0.0)}
     # attention includes its gather: report the gather separately
     out["attention"] -= out["kv gather"]
-    wall = statistics.median(walls)
     out["rest"] = max(wall - sum(out.values()), 0.0)
     out["wall"] = wall
     return out
@@ -140,7 +134,7 @@ def main(argv=None) -> int:
                     run()  # warm this shape up
                     results[f"{m} q={q}"] = breakdown(run, model, args.repeats)
     info = machine_info()
-    print(f"{args.model}, {args.dtype}, {args.prefix} cached tokens, {torch.get_num_threads()} threads, {info['cpu']}; "
+    print(f"{machine_line(args.model, args.dtype, f'{args.prefix} cached tokens')}; "
           f"ms per forward (median wall; categories from torch.profiler)")
     cats = list(next(iter(results.values())))
     print(f"{'':18}" + "".join(f"{c:>17}" for c in cats))
@@ -148,7 +142,7 @@ def main(argv=None) -> int:
         print(f"{name:18}" + "".join(f"{r[c]:17.1f}" for c in cats))
     out = args.out or ROOT / "benchmarks" / "results" / f"profile_verify-{args.dtype}.json"
     out.write_text(json.dumps({
-        "command": "python benchmarks/micro/profile_verify.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command(__file__, argv),
         "model": args.model, "dtype": args.dtype, "prefix": args.prefix, "machine": info, "ms": results,
     }, indent=2) + "\n")
     return 0

@@ -13,18 +13,23 @@ weights where the CPU has native bf16, as ``treespec capture`` runs.
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
-import time
+from pathlib import Path
 
-import torch
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # the checkout's treespec and benchmarks.timing
 
-from treespec.models import load
-from treespec.packing import PackedLinears, default_dtype, packing_supported
-from treespec.threads import default_threads
-from treespec.train import capture as capture_mod
-from treespec.train.capture import CaptureConfig, _feature_ids, capture_plan, capture_shards
-from treespec.train.data import tokenize_example
-from treespec.train.trainer import generated_records
+import torch  # noqa: E402
+
+from benchmarks.timing import Timer  # noqa: E402
+from treespec.models import load  # noqa: E402
+from treespec.packing import PackedLinears, default_dtype, packing_supported  # noqa: E402
+from treespec.threads import default_threads  # noqa: E402
+from treespec.train import capture as capture_mod  # noqa: E402
+from treespec.train.capture import CaptureConfig, _feature_ids, capture_plan, capture_shards  # noqa: E402
+from treespec.train.data import tokenize_example  # noqa: E402
+from treespec.train.trainer import generated_records  # noqa: E402
 
 DATA = "gsm8k-train[:7400],stdlib-code[:3100],chat-train[:3750]"
 
@@ -50,9 +55,9 @@ def main() -> None:
                 prompts.append(ids[:plen])
             fids = _feature_ids(model, "both")
             generated_records(model, prompts, fids, 4, tok.eos_token_id)  # warm-up
-            t = time.perf_counter()
-            recs = generated_records(model, prompts, fids, args.new_tokens, tok.eos_token_id)
-            dt = time.perf_counter() - t
+            with Timer() as t:
+                recs = generated_records(model, prompts, fids, args.new_tokens, tok.eos_token_id)
+            dt = t.seconds
             gen = sum(r["tokens"].numel() - r["prompt_len"] for r in recs)
             print(f"{args.requests} requests, {args.new_tokens} new tokens: {gen} tokens in {dt:.1f} s, "
                   f"{gen / dt:.1f} tok/s ({dt / args.new_tokens * 1000:.0f} ms a step)")
@@ -60,11 +65,11 @@ def main() -> None:
             inner = capture_mod.generated_records
 
             def timed(model, prompts, *a, **k):
-                t = time.perf_counter()
-                recs = inner(model, prompts, *a, **k)
+                with Timer() as t:
+                    recs = inner(model, prompts, *a, **k)
                 temps = k.get("temperature")
                 sampled = sum(x > 0 for x in temps) if isinstance(temps, list) else (len(prompts) if temps else 0)
-                print(f"  batch of {len(prompts)} ({sampled} sampled): {time.perf_counter() - t:.1f} s")
+                print(f"  batch of {len(prompts)} ({sampled} sampled): {t.seconds:.1f} s")
                 return recs
 
             capture_mod.generated_records = timed

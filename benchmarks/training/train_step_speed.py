@@ -8,16 +8,20 @@ alternation, on one capture's conversations.
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
-import time
+import sys
+from pathlib import Path
 
-import torch
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # the checkout's treespec and benchmarks.timing
 
-from treespec.drafters.eagle import EagleHead
-from treespec.models import load
-from treespec.train.capture import load_shards
-from treespec.train.trainer import _collate, ttt_loss
+import torch  # noqa: E402
+
+from benchmarks.timing import Timer, machine_line  # noqa: E402
+from treespec.drafters.eagle import EagleHead  # noqa: E402
+from treespec.models import load  # noqa: E402
+from treespec.train.capture import load_shards  # noqa: E402
+from treespec.train.trainer import _collate, ttt_loss  # noqa: E402
 
 
 def main() -> None:
@@ -36,13 +40,13 @@ def main() -> None:
     times = {"float32": [], "bf16 autocast": []}
     for _ in range(args.repeats):
         for name in times:
-            t0 = time.perf_counter()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=name != "float32"):
-                loss, _ = ttt_loss(head, batch, 3)
-            loss.backward()
-            times[name].append(time.perf_counter() - t0)
+            with Timer() as t:
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=name != "float32"):
+                    loss, _ = ttt_loss(head, batch, 3)
+                loss.backward()
+            times[name].append(t.seconds)
             head.zero_grad()
-    print(f"{platform.processor() or platform.machine()}, {args.threads} thread(s), {tokens} tokens per step")
+    print(machine_line(f"{tokens} tokens per step"))
     for name, ts in times.items():
         m = statistics.median(ts)
         print(f"{name:14s} median {m:.2f} s/step, {tokens / m:.0f} tok/s")
