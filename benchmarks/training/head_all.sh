@@ -12,18 +12,16 @@
 #   ablate    the "data: all" row of the ablation table (one epoch, reduced protocol), in
 #             runs/ablate-all (a row name the earlier runs/ablate already holds), appended to
 #             benchmarks/results/ablate-head.jsonl
-#   train     two epochs on the whole capture -> runs/head-all/head, the head shipped now (78 min
-#             on an Intel Xeon with AMX; about 110 min on the Zen 4, more in fp32)
+#   train     two epochs on the whole capture -> runs/head-all/head, the head shipped now
 #   validate  HEAD's held-out top-1 beside the shipped head's -> benchmarks/results/validate-head-all.txt
 #             (HEAD: runs/ablate-all/data-all/head, the ablate step's head, one epoch over every
 #             conversation: as many optimiser steps as the two over 7,744 of the head shipped
 #             before; the shipped head's own check, run before its copy: validate-head4.txt)
 #
-# Every answer of the plan is kept (223 shards), so "capture" now only rebuilds: about 75 min on
-# the Zen 4 in bf16, 2.6 hours on a Zen 3 in fp32, 21 min on an Intel Xeon with AMX (where the
-# ablate row trained in 35 min and two epochs took 78). With the row (~55 min of training on the Zen 4,
-# more in fp32) and its tau (~10 min), that is more than one session on some machines: let runs/
-# outlive the work tree, which a new session gets laid anew while the machine may be handed on,
+# Every answer of the plan is kept, so "capture" now only rebuilds; with the ablate row, its tau
+# and the training, that is more than one session on some machines (wall times by machine:
+# docs/training.md, "Throughput and wall time of the full capture" and "The shipped head"): let
+# runs/ outlive the work tree, which a new session gets laid anew while the machine may be handed on,
 #   mkdir -p /root/treespec-runs && ln -sfn /root/treespec-runs runs && echo /runs >> .git/info/exclude
 # and every step resumes there: shards are skipped once written, training continues from its
 # checkpoint.pt (every 200 steps), ablate_head.py skips the rows it has.
