@@ -10,6 +10,8 @@
 # benchmarks/results/ and is skipped when that file exists: rerun to resume.
 #
 #   bash benchmarks/figures/auto_figures.sh 2>&1 | tee /tmp/auto_figures.log
+# Feeds docs/benchmarks.md: "`auto` beside every fixed preset" and the issue-9 sections after it
+# (each gives its TAG/TREES/EXTRA); docs/trees.md quotes its auto-*.txt.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 R=benchmarks/results

@@ -1,4 +1,4 @@
-"""The benchmark behind treespec's published CPU figures.
+"""The shipped pair against HF generate and prompt lookup on GSM8K test, in one command.
 
 Run from the repository root (installed or not):
 
@@ -26,6 +26,9 @@ times. ``--model`` and ``--head`` swap the pair (e.g. ``--model stories260k --he
 a smoke test); any other option is passed on to ``treespec bench`` (``--threads 2``,
 ``--no-warmup``, ...). The exit status is ``treespec bench``'s: 1 when a treespec output
 differs from HF generate's.
+
+Feeds no docs table now: the CPU sections of docs/benchmarks.md come from
+benchmarks/figures/cpu_figures.sh and the commands they show.
 """
 
 from __future__ import annotations

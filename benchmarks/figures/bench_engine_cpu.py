@@ -13,6 +13,8 @@ before question i+1), greedy, each output checked token for token against HF gen
 
 on SmolLM2-135M-Instruct. Writes ``benchmarks/results/cpu-engine-gsm8k.json`` and PNGs.
 Other options are passed on to ``treespec bench``.
+
+Feeds docs/benchmarks.md, "Model-free and draft-model drafting".
 """
 
 from __future__ import annotations

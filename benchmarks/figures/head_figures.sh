@@ -8,6 +8,8 @@
 # HEAD: the head (a shipped name or a folder); OLD: another head run beside with chain-3 on
 # HumanEval; STEPS: which steps run (add "ship" to write HEAD's auto-profile.json from the
 # merged profile); CHAT: how many chat-eval prompts.
+# Feeds README.md "Measured" and docs/benchmarks.md "The head trained on ..." sections (TAG=head2,
+# head3, head4); the ship step, docs/training.md "The shipped head".
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 R=benchmarks/results

@@ -9,6 +9,9 @@ cost(q) / cost(1) tokens.
 Each q is timed with and without oneDNN-packed weights in alternation (``--pack both``, the
 default), so that machine drift falls on both alike; the HF decode step is timed plain and
 packed too.
+
+Feeds docs/benchmarks.md, "CPU fast path: the cost of a verify forward" (and the older
+"What limited the speedup on the Intel machine").
 """
 
 from __future__ import annotations

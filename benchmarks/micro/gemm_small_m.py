@@ -7,6 +7,8 @@ with ``MKL_VERBOSE=1`` to see MKL's calls and ``MKL_ENABLE_INSTRUCTIONS=AVX512``
 test whether MKL's instruction-set choice is the cause.
 
     python benchmarks/micro/gemm_small_m.py [--dtype bfloat16]
+
+Feeds docs/benchmarks.md, "Why small-M fp32 products are slow through eager PyTorch here".
 """
 
 from __future__ import annotations

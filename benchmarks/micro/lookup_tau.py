@@ -4,6 +4,8 @@ which it had a chain that held at all and how long those runs were. tau is a cou
 not depend on the machine's load.
 
     python benchmarks/micro/lookup_tau.py --dataset humaneval --num-prompts 12 --max-new-tokens 256
+
+Feeds docs/drafters.md, "HybridDrafter: a model's tree with prompt lookup grafted on".
 """
 
 from __future__ import annotations

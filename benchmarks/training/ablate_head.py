@@ -28,6 +28,8 @@ one thing):
 tau is a count, not a timing: it does not depend on the machine's load (greedy decoding of
 the same prompts gives the same tokens), so this can run beside other work; wall times
 (training) can not.
+
+Feeds docs/training.md, "Ablations (issue 10)".
 """
 
 from __future__ import annotations

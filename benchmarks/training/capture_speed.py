@@ -8,6 +8,9 @@ past any shipped head's training prefix) for ``--new-tokens`` tokens in one batc
 recorded, as the capture does. ``shard``: the plan's first shard (64 conversations, a fifth
 sampled at 0.8) captured into a temporary folder, per-batch times printed. bf16 and packed
 weights where the CPU has native bf16, as ``treespec capture`` runs.
+
+Feeds docs/training.md, "Throughput and wall time of the full capture"; docs/runtime.md,
+"The CPU fast path: bf16 and packed weights".
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@
 #   capture  the target's answers: magpie-chat[:256] held out (runs/cap-magpie-val, greedy), the
 #            rest (runs/cap-magpie, a fifth sampled at T=0.8), resumable shards of 64
 #   keep     copy the answers files to benchmarks/data/captures (then commit them)
+# Feeds no docs table yet: the data of issue 26 (treespec/data/magpie_chat.jsonl.gz, captures).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 STEPS=${STEPS:-"turns capture"}

@@ -3,6 +3,8 @@ loss, 3 steps, batch of 8 captured conversations) in fp32 and under bf16 autocas
 alternation, on one capture's conversations.
 
     python benchmarks/training/train_step_speed.py --capture runs/cap-val --threads 1
+
+Feeds docs/training.md, "What it does" (step 5, bf16 autocast).
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@ folder) on a capture's greedy conversations, exactly as ``train-eagle --val-capt
 validates a head it trains: heads trained on different data compare on one set.
 
     python benchmarks/training/validate_head.py --head smollm2-135m-instruct-eagle --val-capture runs/cap-val
+
+Feeds docs/training.md, "Ablations (issue 10)" and "The shipped head".
 """
 
 from __future__ import annotations
