@@ -1,6 +1,6 @@
 """On a CUDA GPU: greedy equality with HF generate through both attention backends, in fp32
 and (judged in fp32, near-ties allowed) in bf16. Skipped without a GPU; run by
-``benchmarks/gpu_check.sh``. The FlashInfer-vs-torch tree logits test is in test_backends.py."""
+``benchmarks/figures/gpu_check.sh``. The FlashInfer-vs-torch tree logits test is in test_backends.py."""
 
 from __future__ import annotations
 

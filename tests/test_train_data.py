@@ -233,14 +233,14 @@ def test_replay_batches_follow_the_token_budget():
     assert _by_tokens([], max_batch=4, budget=8) == []
 
 
-@pytest.mark.parametrize("folder", sorted(p.name for p in (Path(__file__).parent.parent / "benchmarks" / "captures")
+@pytest.mark.parametrize("folder", sorted(p.name for p in (Path(__file__).parent.parent / "benchmarks" / "data" / "captures")
                                             .iterdir() if p.is_dir()))
 def test_kept_answers_match_their_plan(folder):
-    """The answers kept in git (benchmarks/captures) belong to the plan of their manifest:
+    """The answers kept in git (benchmarks/data/captures) belong to the plan of their manifest:
     every row is the conversation its file's range and the packaged data say it is."""
     import gzip
 
-    d = Path(__file__).parent.parent / "benchmarks" / "captures" / folder
+    d = Path(__file__).parent.parent / "benchmarks" / "data" / "captures" / folder
     manifest = json.loads((d / "capture.json").read_text())
     fields = {k: manifest[k] for k in ("data", "mix", "max_examples", "answers", "sample_share", "sample_temperature",
                                        "seed", "shard_size")}
@@ -400,7 +400,7 @@ def test_cli_capture_resumes_and_train_eagle_reads_it(tmp_path, capsys):
 
 
 def test_ablation_runner_on_a_tiny_capture(tmp_path, capsys):
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks" / "training"))
     import ablate_head
 
     lm = save_tiny_lm(tmp_path / "lm")
