@@ -6,7 +6,7 @@ from the question. Prompt lookup is the opposite: when the newest tokens occurre
 it proposes what followed them, often many tokens that all hold, and proposes nothing
 otherwise. On HumanEval with the shipped SmolLM2 pair, lookup's chains were accepted in
 about one step in five but then for three tokens on average, where the head's first draft
-held a little under half the time on a chain (``benchmarks/lookup_tau.py``, docs/benchmarks.md).
+held a little under half the time on a chain (``benchmarks/micro/lookup_tau.py``, docs/benchmarks.md).
 
 :class:`HybridDrafter` asks both for every step and verifies the union of their trees: the
 primary's tree as it drafted it, with the lookup's continuations grafted on (a node both
