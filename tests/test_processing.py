@@ -1,0 +1,110 @@
+"""Generation options on trees (treespec.processing): each node processed with its own path
+equals transformers' processors on that node's history alone; options that cannot be exact
+are refused by name; Gumbel-max noise is a function of (seed, position) and its argmax is an
+exact sample."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import GenerationConfig
+
+from tiny import tiny_model
+from treespec import Tree
+from treespec.processing import NodeProcessor, gumbel_noise, path_tokens, resolve_generation_config
+
+VOCAB = 16
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = tiny_model(vocab=VOCAB)
+    m.generation_config.eos_token_id = 2
+    return m
+
+
+@st.composite
+def trees(draw, max_nodes=12):
+    n = draw(st.integers(0, max_nodes))
+    parents, tokens = [-1], [draw(st.integers(0, VOCAB - 1))]
+    used: dict[int, set] = {}
+    for i in range(1, n + 1):
+        p = draw(st.integers(0, i - 1))
+        t = draw(st.sampled_from([t for t in range(VOCAB) if t not in used.get(p, set())]))
+        used.setdefault(p, set()).add(t)
+        parents.append(p)
+        tokens.append(t)
+    return Tree(parents, tokens)
+
+
+configs = st.fixed_dictionaries({}, optional={
+    "repetition_penalty": st.floats(0.5, 2.0),
+    "no_repeat_ngram_size": st.integers(1, 3),
+    "min_new_tokens": st.integers(1, 6),
+    "min_length": st.integers(1, 12),
+    "bad_words_ids": st.lists(st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=2), min_size=1, max_size=3),
+    "sequence_bias": st.dictionaries(st.tuples(st.integers(3, VOCAB - 1)), st.floats(-3, 3), min_size=1, max_size=2),
+    "suppress_tokens": st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=3),
+    "begin_suppress_tokens": st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=2),
+    "exponential_decay_length_penalty": st.tuples(st.integers(0, 4), st.floats(1.01, 1.5)),
+    "forced_eos_token_id": st.just(2),
+})
+
+
+@settings(max_examples=80, deadline=None)
+@given(tree=trees(), options=configs, sample=st.booleans(), history=st.lists(st.integers(0, VOCAB - 1), min_size=1,
+                                                                                max_size=8), data=st.data())
+def test_each_node_is_processed_with_its_own_path(model, tree, options, sample, history, data):
+    if sample:
+        options.update(do_sample=True, temperature=data.draw(st.floats(0.3, 1.5)),
+                       top_p=data.draw(st.floats(0.5, 1.0)), typical_p=data.draw(st.floats(0.5, 1.0)))
+    cfg = resolve_generation_config(model, GenerationConfig(max_new_tokens=8, **options))
+    proc = NodeProcessor.build(model, cfg, prompt_len=data.draw(st.integers(1, len(history))))
+    logits = torch.randn(tree.num_nodes, VOCAB)
+    got = proc(torch.tensor(history), logits, tree)
+    for i in range(tree.num_nodes):
+        path = [int(t) for t in tree.tokens[tree.attention_mask()[i]][1:]]  # root excluded
+        want = proc.processors(torch.tensor([history + path]), logits[i: i + 1].clone())[0]
+        assert torch.equal(got[i], want), (i, path)
+
+
+def test_path_tokens_literal():
+    t = Tree([-1, 0, 0, 1, 1, 3], [5, 7, 9, 11, 7, 13])
+    assert path_tokens(t, torch.tensor([3, 4]), 2).tolist() == [[7, 11], [7, 7]]
+    assert path_tokens(t, torch.tensor([5]), 3).tolist() == [[7, 11, 13]]
+    assert path_tokens(t, torch.tensor([0]), 0).shape == (1, 0)
+
+
+@pytest.mark.parametrize("option, value", [
+    ("num_beams", 2), ("num_return_sequences", 2), ("guidance_scale", 1.5), ("penalty_alpha", 0.6),
+    ("encoder_repetition_penalty", 1.2), ("forced_bos_token_id", 1),
+])
+def test_options_that_cannot_be_exact_are_refused_by_name(model, option, value):
+    with pytest.raises(ValueError, match=f"{option}=.*cannot run under speculation"):
+        resolve_generation_config(model, GenerationConfig(do_sample=True, **{option: value}))
+
+
+def test_unknown_options_are_refused(model):
+    with pytest.raises(ValueError, match="unknown generation options.*not_an_option"):
+        resolve_generation_config(model, None, not_an_option=3)
+
+
+def test_gumbel_noise_depends_on_seed_and_position_only():
+    a = gumbel_noise(7, [3, 4, 5], 50)
+    assert torch.equal(a[1:], gumbel_noise(7, [4, 5], 50))  # a position's noise alone
+    assert not torch.equal(a[0], a[1]) and not torch.equal(a, gumbel_noise(8, [3, 4, 5], 50))
+
+
+def test_gumbel_argmax_is_an_exact_sample():
+    from test_sampling_engine import chi_square
+
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, float("-inf")])
+    p = torch.softmax(logits, -1)
+    n = 20000
+    picks = (logits + gumbel_noise(3, range(n), 5)).argmax(-1)
+    counts = torch.bincount(picks, minlength=5)
+    assert counts[4] == 0  # a banned token is never drawn
+    stat, threshold = chi_square({k: c for k, c in enumerate(counts.tolist()) if c}, dict(enumerate(p.tolist())), n)
+    assert stat < threshold

@@ -1,0 +1,151 @@
+"""Generation options on trees: transformers' logits processors run at every node with that
+node's own history, and samples drawn by the Gumbel-max trick with noise fixed by position.
+
+**Per-node processing.** A repetition penalty, a banned n-gram, a minimum length or a user's
+own processor is a function of ``(input_ids, scores)``: the sequence so far and the next
+token's logits. At a tree node the sequence so far is the committed history followed by the
+node's path, so each node is processed with exactly the ``input_ids`` plain decoding would
+have had there. Nodes of one depth have histories of one length: each processor runs once per
+depth on a ``[nodes at that depth, L + depth]`` batch (not once per node), and the processors
+are transformers' own, built by the model's ``_get_logits_processor`` from a
+``GenerationConfig``, so the semantics are those of ``model.generate`` by construction.
+
+**Gumbel-max sampling.** The target's token at absolute position ``t`` of request ``r`` is
+``argmax(scores + g)`` with ``g`` standard Gumbel noise drawn from a generator seeded by
+``(seed_r, t)``: an exact sample of ``softmax(scores)`` (the Gumbel-max trick), and, since the
+noise at ``t`` is independent of everything before it, the tokens follow the target's
+autoregressive distribution exactly. The noise depends on the position only, not on the tree,
+the drafter, the batch or how many tokens a step accepts, so a seed fixes the output whatever
+drafts are made (on one machine, dtype and thread count: ties of the rounding aside).
+Verification is then greedy verification against those choices: a child is accepted exactly
+when its token is the target's sample at its parent. The probability of accepting a node's
+children is the sum of their target probabilities, as with recursive rejection sampling
+against deterministic drafts, so acceptance is unchanged.
+
+Letters: n tree nodes (root included), L committed tokens, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation.logits_process import LogitsProcessorList
+
+from .tree import Tree
+
+__all__ = ["NodeProcessor", "path_tokens", "gumbel_noise", "resolve_generation_config", "UNSUPPORTED"]
+
+# GenerationConfig fields that cannot be exact on trees, with the reason a user is told.
+UNSUPPORTED = {
+    "num_beams": "beam search keeps several sequences per request; speculation verifies one",
+    "num_return_sequences": "one sequence per request: repeat the prompt in the batch instead",
+    "guidance_scale": "classifier-free guidance runs a second, unconditional forward at every token",
+    "penalty_alpha": "contrastive search re-ranks candidates with the model's hidden states",
+    "dola_layers": "DoLa contrasts layers of the target at every token",
+    "diversity_penalty": "group beam search",
+    "watermarking_config": "a watermark's state is kept across steps by its own processor",
+    "encoder_repetition_penalty": "decoder-only models have no encoder input",
+    "encoder_no_repeat_ngram_size": "decoder-only models have no encoder input",
+    "forced_bos_token_id": "the first token is the prompt's; a forced BOS applies to encoder-decoder models",
+    "assistant_model": "treespec is the assisted generation: pass the draft to treespec.generate",
+    "prompt_lookup_num_tokens": "treespec has its own prompt lookup: draft='ngram' or '<head>+lookup'",
+}
+
+
+def resolve_generation_config(model, generation_config: GenerationConfig | None, **kwargs) -> GenerationConfig:
+    """The config ``model.generate(generation_config=..., **kwargs)`` would decode with: the
+    model's own generation config and transformers' defaults under what is given.
+
+    Raises ValueError naming any option that cannot be exact on trees (``UNSUPPORTED``).
+    """
+    cfg, unused = model._prepare_generation_config(copy.deepcopy(generation_config), **kwargs)
+    if unused:
+        raise ValueError(f"unknown generation options {sorted(unused)}: not fields of transformers' GenerationConfig")
+    defaults = model.generation_config._get_default_generation_params()
+    for name, why in UNSUPPORTED.items():
+        value = getattr(cfg, name, None)
+        if value is not None and value != defaults.get(name):
+            raise ValueError(f"{name}={value!r} cannot run under speculation: {why}")
+    # Sets the EOS/pad tensors the processors read (min_new_tokens bans EOS, for one).
+    model._prepare_special_tokens(cfg, kwargs_has_attention_mask=True, device=next(model.parameters()).device)
+    return cfg
+
+
+def path_tokens(tree: Tree, nodes: torch.Tensor, depth: int) -> torch.Tensor:
+    """int64 ``[len(nodes), depth]``: the drafted tokens on the path to each node (root
+    excluded, the node included), for nodes all at ``depth``."""
+    if depth == 0:
+        return torch.empty(len(nodes), 0, dtype=torch.int64)
+    anc = tree.attention_mask()[nodes][:, 1:]  # [k, n-1] ancestors-or-self, root dropped
+    # Parents precede children, so each row's ancestors in index order are its path in order.
+    return tree.tokens[1:].expand(len(nodes), -1)[anc].view(len(nodes), depth)
+
+
+@dataclass
+class NodeProcessor:
+    """One request's logits processors, applied at tree nodes.
+
+    Attributes:
+        processors: transformers' ``LogitsProcessorList`` for this request (its prompt
+                    length fixes where ``min_new_tokens`` and the like count from).
+    """
+
+    processors: LogitsProcessorList
+
+    @classmethod
+    def build(cls, model, config: GenerationConfig, prompt_len: int,
+              user: LogitsProcessorList | None = None) -> "NodeProcessor":
+        procs = model._get_logits_processor(
+            generation_config=config, input_ids_seq_length=prompt_len, encoder_input_ids=None,
+            prefix_allowed_tokens_fn=None, logits_processor=LogitsProcessorList(user or []),
+            device=str(next(model.parameters()).device), model_kwargs={})
+        return cls(procs)
+
+    def __bool__(self) -> bool:
+        return len(self.processors) > 0
+
+    def __call__(self, history: torch.Tensor, logits: torch.Tensor, tree: Tree | None = None) -> torch.Tensor:
+        """float32 ``[n, V]``: each node's logits processed with its own history.
+
+        Args:
+            history: int64 ``[L]``, the committed tokens, the root last.
+            logits:  ``[n, V]``, the target's logits at each node (one row, the root, without a tree).
+            tree:    the verified tree (None: ``logits`` is the root's alone).
+        """
+        scores = logits.float()
+        if not self.processors:
+            return scores
+        if tree is None:
+            return self.processors(history[None], scores)
+        out = torch.empty_like(scores)
+        depth = tree.depth
+        for d in range(int(depth.max()) + 1):
+            nodes = torch.nonzero(depth == d).flatten()
+            ids = torch.cat([history.expand(len(nodes), -1), path_tokens(tree, nodes, d)], dim=1)
+            out[nodes] = self.processors(ids.to(scores.device), scores[nodes])
+        return out
+
+
+def _mix(seed: int, position: int) -> int:
+    """A 63-bit seed for ``(seed, position)`` (splitmix64's finaliser): neighbouring positions
+    get unrelated generator states."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
+
+
+def gumbel_noise(seed: int, positions: Sequence[int], vocab: int) -> torch.Tensor:
+    """float32 ``[len(positions), V]``: standard Gumbel noise of each absolute position,
+    a function of ``(seed, position)`` alone."""
+    out = torch.empty(len(positions), vocab)
+    g = torch.Generator()
+    for i, t in enumerate(positions):
+        g.manual_seed(_mix(seed, int(t)))
+        out[i].uniform_(generator=g)
+    # u in [0, 1): u = 0 gives -inf noise, a token that is never chosen (probability 2^-24 per entry).
+    return -torch.log(-torch.log(out))
