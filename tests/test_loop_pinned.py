@@ -16,6 +16,7 @@ Regenerate (only for a change meant to alter the loop's output):
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import time
 from pathlib import Path
@@ -176,6 +177,20 @@ def test_pinned_cases_exercise_the_loop():
     assert pinned["auto-rate-hybrid-sampling"]["profile"]["sources"]  # the lookup's calibration learned
     eos = pinned["greedy-twin-chain3-eos"]["metrics"]["requests"]
     assert sorted(r["num_generated"] for r in eos) == [5, 6, 10]  # two ended at EOS, apart
+
+
+def test_the_fixed_tree_controller_answers_as_auto_does():
+    """The loop calls a fixed tree's no-op controller as it calls an AutoController."""
+    from treespec.auto import AutoController
+    from treespec.engine import _NoAuto
+
+    for name in ("begin_step", "choose", "learn", "end_step"):
+        ours, auto = inspect.signature(getattr(_NoAuto, name)), inspect.signature(getattr(AutoController, name))
+        assert list(ours.parameters) == list(auto.parameters), name
+    assert callable(AutoController.stop) and callable(AutoController.candidates)
+    assert _NoAuto.stop is None and _NoAuto.candidates is None  # DraftStart: no early stop
+    trees = [treespec.Tree([-1, 0], [3, 4])]
+    assert _NoAuto().choose(trees, 1.0) is trees
 
 
 if __name__ == "__main__":  # print the pinned values of the loop as it is now
