@@ -193,6 +193,19 @@ def test_the_fixed_tree_controller_answers_as_auto_does():
     assert _NoAuto().choose(trees, 1.0) is trees
 
 
+def _dump(pinned: dict) -> str:
+    """JSON with one line per step and per metrics or profile field: diffs show what moved."""
+    cases = []
+    for name, case in pinned.items():
+        parts = ['  "steps": [\n' + ",\n".join(f"   {json.dumps(s)}" for s in case["steps"]) + "\n  ]"]
+        for key in ("metrics", "profile"):
+            if key in case:
+                fields = ",\n".join(f"   {json.dumps(k)}: {json.dumps(v)}" for k, v in case[key].items())
+                parts.append(f'  "{key}": {{\n{fields}\n  }}')
+        cases.append(f" {json.dumps(name)}: {{\n" + ",\n".join(parts) + "\n }")
+    return "{\n" + ",\n".join(cases) + "\n}"
+
+
 if __name__ == "__main__":  # print the pinned values of the loop as it is now
     mp = pytest.MonkeyPatch()
     torch.set_num_threads(1)
@@ -200,4 +213,4 @@ if __name__ == "__main__":  # print the pinned values of the loop as it is now
     for case in sorted(_cases()):
         out[case] = run_case(case, mp)
         mp.undo()
-    print(json.dumps(out, indent=1))
+    print(_dump(out))
