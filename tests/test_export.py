@@ -1,7 +1,7 @@
 """Serving treespec heads elsewhere: each engine's loading rules, the tree mapping, the CLI.
 
 The rules (``treespec.export.head_problems``) restate how the EAGLE reference, vLLM and
-SGLang read a head folder; their sources and lines are cited in treespec/export.py. Here:
+SGLang read a head folder; their sources are cited in treespec/export.py. Here:
 a head written by ``EagleHead.save_pretrained`` passes all three, the shipped folder as it
 was before this change fails the EAGLE reference's rule (the silent random embedding), and
 each rule is shown to fail on a head that breaks it. Heads for the rule cases are written

@@ -183,8 +183,8 @@ class TorchBackend(AttentionBackend):
         p: TorchPlan = batch.plan
         B, R = len(batch.seqs), p.mask.shape[0]
         T, H, D = q.shape
-        # On a CPU, SDPA in fp32 is faster than in bf16/fp16 (measured 49 vs 188 us for one
-        # query over 200 keys, AMD EPYC) and rounds less; the inputs are small to cast.
+        # On a CPU, SDPA in fp32 is faster than in bf16/fp16 (docs/benchmarks.md) and rounds
+        # less; the inputs are small to cast.
         dtype = torch.float32 if q.device.type == "cpu" else q.dtype
         if B == 1:  # one request: its tokens are already the padded batch
             qp = q.to(dtype).transpose(0, 1)[None]  # [1, H, T, D]

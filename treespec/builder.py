@@ -126,13 +126,25 @@ def build_dynamic_trees(
         anc = torch.cat([anc[arange_b, parent_slot], eye], dim=-1)
         offset += k * k
 
-    scores = torch.cat(pool_scores, 1)  # [B, pool]
-    tokens = torch.cat(pool_tokens, 1)
-    parents = torch.cat(pool_parents, 1)
+    return _best_of_pool(torch.cat(pool_scores, 1), torch.cat(pool_tokens, 1), torch.cat(pool_parents, 1),
+                         config.num_nodes, root_tokens)
+
+
+def _best_of_pool(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, num_nodes: int,
+                  root_tokens: torch.Tensor) -> list[Tree]:
+    """Each request's ``num_nodes`` best-scored pool nodes (all, if the pool is smaller) as a tree.
+
+    Args:
+        scores:      float ``[B, P]``: each pool node's cumulative log-probability.
+        tokens:      int64 ``[B, P]``.
+        parents:     int64 ``[B, P]``: each node's parent's pool index (-1: the root).
+        root_tokens: int64 ``[B]``.
+    """
+    B, device = scores.shape[0], scores.device
     # A child's score never exceeds its parent's (log-probs are <= 0) and its pool index is
     # larger, so a stable descending sort ranks every parent before its children, ties
     # included: the top num_nodes are ancestor-closed.
-    n_keep = min(config.num_nodes, scores.shape[1])
+    n_keep = min(num_nodes, scores.shape[1])
     order = scores.sort(dim=1, descending=True, stable=True).indices[:, :n_keep]
     keep = order.sort(dim=1).values  # pool order: parents first
     node_of = torch.full_like(scores, -1, dtype=torch.int64)  # pool index -> node index

@@ -2,10 +2,17 @@
 
     stream(...)    a generator of per-step commits (the one loop)
     generate(...)  runs stream to the end and collects sequences and metrics
+
+``_loop`` makes one call per stage: ``_prefill``; then each step ``_draft`` (propose, cut
+to the budget, sized by ``auto``), ``_tree_forward`` and ``_verify`` (the target's logits at
+every node, then each request's verdict), ``_commit`` (the tokens and K/V kept), and the
+drafter's own commit. A fixed tree makes the same calls as an ``auto`` one, to a no-op
+controller; ``_StepTimer`` adds each stage's time to the metrics.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import numbers
 import operator
@@ -83,17 +90,29 @@ class SpecMetrics:
         """Drafted nodes verified per request-step (what an ``auto`` tree chose)."""
         return sum(self.tree_sizes) / max(len(self.tree_sizes), 1)
 
-    def _record(self, req: int, accepted: int, committed: int):
-        r = self.requests[req]
-        r.num_steps += 1
-        r.accepted.append(accepted)
-        r.num_generated += committed
-        self.num_generated += committed
-        self.num_request_steps += 1
-        while len(self.acceptance_counts) < accepted:
-            self.acceptance_counts.append(0)
-        for d in range(accepted):
-            self.acceptance_counts[d] += 1
+    def record_first_tokens(self) -> None:
+        """Prefill produced each request's first token."""
+        for r in self.requests:
+            r.num_generated = 1
+        self.num_generated = len(self.requests)
+
+    def record_step(self, requests: Sequence[int], trees: Sequence[Tree], tokens: Sequence[list[int]]) -> None:
+        """One verify forward: ``requests[i]`` verified ``trees[i]`` and committed ``tokens[i]``
+        (its accepted drafts, then the bonus)."""
+        for b, toks in zip(requests, tokens):
+            r, accepted = self.requests[b], len(toks) - 1
+            r.num_steps += 1
+            r.accepted.append(accepted)
+            r.num_generated += len(toks)
+            self.num_generated += len(toks)
+            self.num_request_steps += 1
+            while len(self.acceptance_counts) < accepted:
+                self.acceptance_counts.append(0)
+            for d in range(accepted):
+                self.acceptance_counts[d] += 1
+        self.num_steps += 1
+        self.tree_tokens += sum(t.num_nodes for t in trees)
+        self.tree_sizes.extend(t.num_drafted for t in trees)
 
     def summary(self) -> dict:
         return {
@@ -301,6 +320,15 @@ def stream(
     distribution is exact either way).
     ``auto_profile``: see :func:`generate`.
     """
+    run = _checked_run(model, draft, tree_cfg, input_ids, max_new_tokens, temperature, top_k, top_p, min_p,
+                       seed, eos_token_id, attention_backend, auto_profile, options)
+    yield from _loop(*run, max_new=max_new_tokens, page_size=page_size, auto_profile=auto_profile)
+
+
+def _checked_run(model, draft, tree_cfg, input_ids, max_new_tokens, temperature, top_k, top_p, min_p,
+                 seed, eos_token_id, attention_backend, auto_profile, options: dict):
+    """Every argument check of :func:`stream`, in the order a user meets them; returns what
+    the loop runs on: ``(runner, drafter, cfg, prompts, params, eos, gens)``."""
     for name in options:
         if name in UNSUPPORTED_OPTIONS:
             raise ValueError(
@@ -336,8 +364,7 @@ def stream(
     gens = _generators(seed, len(prompts), runner.device)
     if auto_profile is not None and not isinstance(auto_profile, AutoProfile):
         raise ValueError(f"auto_profile must be a treespec.AutoProfile, got {type(auto_profile).__name__}")
-    yield from _loop(runner, drafter, cfg, prompts, params, eos, gens, max_new_tokens, page_size, auto_profile)
-
+    return runner, drafter, cfg, prompts, params, eos, gens
 
 def _warn_past_context(prompts: list[list[int]], max_new: int, max_pos: int | None) -> None:
     """Warn, as HF generate does, when a request reaches past the model's positions: the
@@ -369,11 +396,10 @@ class _AcceptanceWatch:
         self.steps = None if isinstance(drafter, NgramDrafter) else 0
         self.drafted = self.accepted = 0
 
-    @property
-    def active(self) -> bool:
-        return self.steps is not None
-
     def record(self, trees: list[Tree], accepted: int) -> None:
+        """A verify step's trees and the drafted tokens it accepted, across the batch."""
+        if self.steps is None:  # judged already, or never judged (prompt lookup)
+            return
         drafted = sum(t.num_drafted for t in trees)
         if drafted == 0:
             return
@@ -388,138 +414,202 @@ class _AcceptanceWatch:
             self.steps = None
 
 
-def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts, params: SamplingParams,
-          eos: set[int], gens, max_new: int, page_size: int, auto_profile=None) -> Iterator[StepOutput]:
+class _NoAuto:
+    """The :class:`AutoController` of a fixed tree: the loop makes the same calls whatever the
+    tree, and here they draft every level, keep every tree and learn nothing."""
+
+    stop = None  # DraftStart.stop: no early stop, the builder drafts every level
+    candidates = None  # DraftStart.candidates: no early stop to weigh a second drafter's nodes
+
+    def begin_step(self) -> None:
+        pass
+
+    def choose(self, trees: list[Tree], propose_seconds: float) -> list[Tree]:
+        return trees
+
+    def learn(self, trees: Sequence[Tree], paths: Sequence[Sequence[int]]) -> None:
+        pass
+
+    def end_step(self, tokens: int, seconds: float) -> None:
+        pass
+
+
+def _controller(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, greedy: bool, batch: int,
+                max_nodes: int, profile: AutoProfile | None) -> AutoController | _NoAuto:
+    """An :class:`AutoController` for an ``auto`` tree (its cost curve read or measured first),
+    else the no-op one."""
+    if not cfg.auto:
+        return _NoAuto()
+    profile = profile if profile is not None else AutoProfile.starting(drafter)
+    # The batch's trees are verified in one forward: cover up to B trees (capped).
+    profile.prepare(runner, min(batch * (max_nodes + 1), max(max_nodes + 1, 128)))
+    return AutoController(profile, cfg.num_nodes, cfg.top_k, greedy, cfg.objective)
+
+
+class _StepTimer:
+    """Wall time per stage: ``with timer("draft"):`` adds the block's seconds to the metrics'
+    ``draft_seconds`` (likewise ``prefill``, ``verify``); :meth:`total` stamps
+    ``total_seconds``, counted from the timer's creation."""
+
+    def __init__(self, metrics: SpecMetrics):
+        self.metrics = metrics
+        self.began = {"start": time.perf_counter()}  # when each stage last began
+
+    @contextlib.contextmanager
+    def __call__(self, stage: str):
+        t0 = self.began[stage] = time.perf_counter()
+        yield
+        name = f"{stage}_seconds"
+        setattr(self.metrics, name, getattr(self.metrics, name) + (time.perf_counter() - t0))
+
+    def since(self, stage: str) -> float:
+        """Seconds since ``stage`` last began."""
+        return time.perf_counter() - self.began[stage]
+
+    def total(self) -> SpecMetrics:
+        self.metrics.total_seconds = self.since("start")
+        return self.metrics
+
+
+def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts: list[list[int]],
+          params: list[SamplingParams], eos: set[int], gens, *, max_new: int, page_size: int,
+          auto_profile: AutoProfile | None = None) -> Iterator[StepOutput]:
     B = len(prompts)
     metrics = SpecMetrics(requests=[RequestMetrics() for _ in range(B)])
-    max_pos = runner.max_positions
     watch = _AcceptanceWatch(drafter)
     # Nodes per step: the tree's, plus what the drafter grafts on top (prompt lookup).
     max_nodes = cfg.num_nodes + drafter.extra_nodes
     with runner.attached():
-        auto = None
-        if cfg.auto:
-            profile = auto_profile if auto_profile is not None else AutoProfile.starting(drafter)
-            # The batch's trees are verified in one forward: cover up to B trees (capped).
-            profile.prepare(runner, min(B * (max_nodes + 1), max(max_nodes + 1, 128)))
-            auto = AutoController(profile, cfg.num_nodes, cfg.top_k, params[0].greedy, cfg.objective)
-        t_start = time.perf_counter()
+        auto = _controller(runner, drafter, cfg, params[0].greedy, B, max_nodes, auto_profile)
+        timer = _StepTimer(metrics)
         # One row of the cache per request, each long enough for the longest: a batch's K/V
         # are then read as a view of the cache, not gathered (PagedKVCache.add_sequences).
         cache, seqs = runner.new_rows_cache(B, max(len(p) for p in prompts) + max_new + max_nodes + 1, page_size)
-        needs_features = bool(runner.feature_layers)
-
-        # ---- prefill: the whole prompt; its last logits give the first token ----
-        t0 = time.perf_counter()
-        out = runner.forward(
-            cache, seqs, [torch.tensor(p) for p in prompts], [torch.arange(len(p)) for p in prompts],
-            [causal_mask(len(p)) for p in prompts], logits_rows=[[len(p) - 1] for p in prompts],
-            capture=needs_features,
-        )
-        for s, p in zip(seqs, prompts):
-            cache.commit(s, torch.arange(len(p)))
-        first = [_pick(out.logits[b][0], params[b], gens[b]) for b in range(B)]
-        metrics.prefill_seconds = time.perf_counter() - t0
-        generated = [[t] for t in first]
-        done = [t in eos or max_new == 1 for t in first]
-        for r in metrics.requests:
-            r.num_generated = 1
-        metrics.num_generated = B
-        metrics.total_seconds = time.perf_counter() - t_start
-        yield StepOutput(0, [[t] for t in first], list(done), metrics)
-
-        t0 = time.perf_counter()
-        session = drafter.start(runner.model, DraftStart(
-            prompts=[list(p) for p in prompts], first_tokens=first,
-            features=out.features if needs_features else None, max_new_tokens=max_new, tree_cfg=cfg,
-            stop=auto.stop if auto is not None else None,
-            candidates=auto.candidates if auto is not None else None,
-        ))
-        for b in range(B):
-            if done[b]:
-                session.finish(b)
-        metrics.draft_seconds += time.perf_counter() - t0
+        with timer("prefill"):
+            first, features = _prefill(runner, cache, seqs, prompts, params, gens)
+        generated, done = [[t] for t in first], [t in eos or max_new == 1 for t in first]
+        metrics.record_first_tokens()
+        yield StepOutput(0, [[t] for t in first], list(done), timer.total())
+        with timer("draft"):
+            session = drafter.start(runner.model, DraftStart(
+                prompts=[list(p) for p in prompts], first_tokens=first, features=features,
+                max_new_tokens=max_new, tree_cfg=cfg, stop=auto.stop, candidates=auto.candidates))
+            for b in range(B):
+                if done[b]:
+                    session.finish(b)
 
         step = 0
         while not all(done):
             step += 1
             active = [b for b in range(B) if not done[b]]
-            roots = [generated[b][-1] for b in active]
-            committed_len = [cache.seq_lens[seqs[b]] for b in active]
-            # Deepest node worth drafting: committing depth+1 tokens must fit the budget, and
-            # positions must stay below the model's maximum.
-            max_depth = []
-            for b, L in zip(active, committed_len):
-                d = max_new - len(generated[b]) - 1
-                if max_pos is not None:
-                    d = min(d, max_pos - 1 - L)
-                max_depth.append(max(d, 0))
-
-            t0 = time.perf_counter()
-            if auto is not None:
-                auto.begin_step()
-            trees = session.propose(active, roots, max_depth)
-            propose_seconds = time.perf_counter() - t0
-            # Trim to the budget: depth as above, nodes to the tree size and the KV room left.
-            trees = [
-                t.prune(max_depth=d, max_nodes=min(max_nodes, cache.capacity(seqs[b]) - L - 1))
-                for t, d, b, L in zip(trees, max_depth, active, committed_len)
-            ]
-            if auto is not None:
-                trees = auto.choose(trees, propose_seconds)
-            for t, root in zip(trees, roots):
-                if t.tokens is None or int(t.tokens[0]) != root:
-                    raise RuntimeError(f"{type(drafter).__name__} proposed a tree whose root is not the last committed token")
-            metrics.draft_seconds += time.perf_counter() - t0
-
-            t0 = t_verify = time.perf_counter()
-            out = runner.forward(
-                cache, [seqs[b] for b in active], [t.tokens for t in trees],
-                [t.position_ids(L) for t, L in zip(trees, committed_len)],
-                [t.attention_mask() for t in trees], capture=needs_features,
-            )
-            verdicts = _verify(trees, out.logits, [params[b] for b in active], [gens[b] for b in active])
-            commit_tokens, commit_feats = [], []
-            step_tokens = [[] for _ in range(B)]
-            for i, (b, v) in enumerate(zip(active, verdicts)):
-                toks = v.tokens[: max_new - len(generated[b])]
-                hit = next((j for j, t in enumerate(toks) if t in eos), None)
-                if hit is not None:
-                    toks = toks[: hit + 1]
-                path = v.path[: len(toks)]  # the root and the accepted nodes whose KV is kept
-                cache.commit(seqs[b], committed_len[i] + torch.tensor(path))
-                generated[b].extend(toks)
-                step_tokens[b] = toks
-                metrics._record(b, len(toks) - 1, len(toks))
-                if hit is not None or len(generated[b]) >= max_new:
-                    done[b] = True
-                commit_tokens.append(toks)
-                if needs_features:
-                    commit_feats.append(out.features[i][torch.tensor(path)])
-            if auto is not None:
+            roots, prefix = [generated[b][-1] for b in active], [cache.seq_lens[seqs[b]] for b in active]
+            depth, room = _budgets(active, prefix, generated, cache, seqs, max_new, runner.max_positions, max_nodes)
+            with timer("draft"):
+                trees = _draft(drafter, session, auto, timer, active, roots, depth, room)
+            with timer("verify"):
+                out = _tree_forward(runner, cache, [seqs[b] for b in active], trees, prefix)
+                verdicts = _verify(trees, out.logits, [params[b] for b in active], [gens[b] for b in active])
+                tokens, kept = _commit(verdicts, out.features, active, cache, seqs, generated, done, eos, max_new)
                 auto.learn(trees, [v.path for v in verdicts])
-            metrics.num_steps += 1
-            metrics.tree_tokens += sum(t.num_nodes for t in trees)
-            metrics.tree_sizes.extend(t.num_drafted for t in trees)
-            if watch.active:
-                watch.record(trees, sum(len(t) - 1 for t in commit_tokens))
-            metrics.verify_seconds += time.perf_counter() - t0
+                metrics.record_step(active, trees, tokens)
+                watch.record(trees, sum(len(t) - 1 for t in tokens))
+            with timer("draft"):
+                session.commit(active, tokens, kept)
+                for b in active:
+                    if done[b]:
+                        session.finish(b)
+                        cache.free_sequence(seqs[b])
+            auto.end_step(sum(t.num_nodes for t in trees), timer.since("verify"))
+            yield StepOutput(step, _by_request(tokens, active, B), list(done), timer.total())
+    timer.total()
 
-            t0 = time.perf_counter()
-            session.commit(active, commit_tokens, commit_feats if needs_features else None)
-            for b in active:
-                if done[b]:
-                    session.finish(b)
-                    cache.free_sequence(seqs[b])
-            metrics.draft_seconds += time.perf_counter() - t0
-            if auto is not None:
-                auto.end_step(sum(t.num_nodes for t in trees), time.perf_counter() - t_verify)
-            metrics.total_seconds = time.perf_counter() - t_start
-            yield StepOutput(step, step_tokens, list(done), metrics)
-    metrics.total_seconds = time.perf_counter() - t_start
+
+def _prefill(runner: ModelRunner, cache, seqs: list[int], prompts: list[list[int]], params: list[SamplingParams],
+             gens) -> tuple[list[int], list[torch.Tensor] | None]:
+    """Each whole prompt through the target, its K/V committed; returns each request's first
+    token (picked from the prompt's last logits) and the prompt's target features (``[L_b, F]``,
+    None when the drafter reads none)."""
+    out = runner.forward(
+        cache, seqs, [torch.tensor(p) for p in prompts], [torch.arange(len(p)) for p in prompts],
+        [causal_mask(len(p)) for p in prompts], logits_rows=[[len(p) - 1] for p in prompts],
+        capture=bool(runner.feature_layers),
+    )
+    for s, p in zip(seqs, prompts):
+        cache.commit(s, torch.arange(len(p)))
+    return [_pick(out.logits[b][0], params[b], gens[b]) for b in range(len(prompts))], out.features
+
+
+def _budgets(active: list[int], prefix: list[int], generated: list[list[int]], cache, seqs: list[int],
+             max_new: int, max_pos: int | None, max_nodes: int) -> tuple[list[int], list[int]]:
+    """Per active request, the deepest node and the most nodes worth drafting: committing
+    depth+1 tokens must fit the token budget, positions must stay below the model's maximum,
+    and the nodes must fit the tree size and the KV room left."""
+    depths, nodes = [], []
+    for b, L in zip(active, prefix):
+        d = max_new - len(generated[b]) - 1
+        if max_pos is not None:
+            d = min(d, max_pos - 1 - L)
+        depths.append(max(d, 0))
+        nodes.append(min(max_nodes, cache.capacity(seqs[b]) - L - 1))
+    return depths, nodes
+
+
+def _draft(drafter: Drafter, session, auto, timer: _StepTimer, active: list[int], roots: list[int],
+           max_depth: list[int], max_nodes: list[int]) -> list[Tree]:
+    """This step's trees: proposed, cut to each request's budget, then sized (``auto``)."""
+    auto.begin_step()
+    trees = session.propose(active, roots, max_depth)
+    propose_seconds = timer.since("draft")
+    trees = [t.prune(max_depth=d, max_nodes=n) for t, d, n in zip(trees, max_depth, max_nodes)]
+    trees = auto.choose(trees, propose_seconds)
+    for t, root in zip(trees, roots):
+        if t.tokens is None or int(t.tokens[0]) != root:
+            raise RuntimeError(f"{type(drafter).__name__} proposed a tree whose root is not the last committed token")
+    return trees
+
+
+def _tree_forward(runner: ModelRunner, cache, seqs: list[int], trees: list[Tree], prefix: list[int]):
+    """The target's logits (and features) at every node of every request's tree, in one
+    forward over the committed prefixes."""
+    return runner.forward(
+        cache, seqs, [t.tokens for t in trees], [t.position_ids(L) for t, L in zip(trees, prefix)],
+        [t.attention_mask() for t in trees], capture=bool(runner.feature_layers),
+    )
+
+
+def _commit(verdicts: list[Verdict], features: list[torch.Tensor] | None, active: list[int], cache,
+            seqs: list[int], generated: list[list[int]], done: list[bool], eos: set[int],
+            max_new: int) -> tuple[list[list[int]], list[torch.Tensor] | None]:
+    """Keep each verdict's tokens up to the budget and the first EOS, commit the K/V of the
+    root and accepted nodes they came from, and mark the requests that ended. Returns the
+    tokens per active request and, when ``features`` were captured, each one's features at
+    those nodes (``[len(tokens_i), F]``, for the drafter)."""
+    tokens, kept = [], []
+    for i, (b, v) in enumerate(zip(active, verdicts)):
+        toks = v.tokens[: max_new - len(generated[b])]
+        hit = next((j for j, t in enumerate(toks) if t in eos), None)
+        if hit is not None:
+            toks = toks[: hit + 1]
+        path = torch.tensor(v.path[: len(toks)])  # the root and the accepted nodes whose KV is kept
+        cache.commit(seqs[b], cache.seq_lens[seqs[b]] + path)
+        generated[b].extend(toks)
+        done[b] = hit is not None or len(generated[b]) >= max_new
+        tokens.append(toks)
+        if features is not None:
+            kept.append(features[i][path])
+    return tokens, (kept if features is not None else None)
+
+
+def _by_request(tokens: list[list[int]], active: list[int], batch: int) -> list[list[int]]:
+    """The active requests' tokens spread over the whole batch (an idle request's: [])."""
+    out: list[list[int]] = [[] for _ in range(batch)]
+    for b, t in zip(active, tokens):
+        out[b] = t
+    return out
 
 
 def _pick(logits: torch.Tensor, params: SamplingParams, gen) -> int:
+    """One token from float ``[V]`` logits: the argmax, or a sample under ``params``."""
     if params.greedy:
         return int(logits.argmax())
     probs = params.probs(logits[None].float())[0]
@@ -527,8 +617,15 @@ def _pick(logits: torch.Tensor, params: SamplingParams, gen) -> int:
 
 
 def _verify(trees: list[Tree], logits: list[torch.Tensor], params: Sequence[SamplingParams], gens) -> list[Verdict]:
-    """Each request's verdict under its own sampling parameters (requests that share them are
-    verified together)."""
+    """The verification stage: each request's verdict on its tree under its own sampling
+    parameters (requests that share them are verified together).
+
+    Args:
+        trees:  one per active request, ``n_b`` nodes.
+        logits: float ``[n_b, V]`` per request: the target's logits at each node of its tree.
+        params: each request's sampling parameters.
+        gens:   each request's ``torch.Generator`` (or None), for its uniforms.
+    """
     groups: dict[SamplingParams, list[int]] = {}
     for i, p in enumerate(params):
         groups.setdefault(p, []).append(i)

@@ -3,7 +3,7 @@
 Two questions, one function each:
 
 - :func:`head_problems` -- would this engine read the head folder *correctly*? Each engine's
-  loading rules are restated here from its source (file, commit and lines in the comments),
+  loading rules are restated here from its source (the file and function in the comments),
   applied to ``config.json`` and the safetensors header, without importing the engine. Two
   of the three load without a word when a weight is missing or misnamed (the EAGLE
   reference with ``strict=False``, SGLang by skipping unknown names), so a folder that
@@ -14,20 +14,17 @@ Two questions, one function each:
 
 Only EAGLE-3 heads are covered (the layout ``treespec train-eagle`` writes by default).
 
-Sources read (through the project's code search; versions as stored there):
+Sources (the versions read are listed in docs/serving.md, "What was checked, and how"):
 
-- EAGLE reference, SafeAILab/EAGLE: ``eagle/model/ea_model.py`` @47de7b0 (EaModel),
-  ``eagle/model/configs.py`` @08dc06c (EConfig), ``eagle/traineagle3/cnets.py`` @09fe6a0
-  (the EAGLE-3 attention). The index's SafeAILab copy of ``eagle/model/cnets.py`` (@bfeb532)
-  predates EAGLE-3; its EAGLE-3 ``Model.__init__`` was read from forked copies of that file,
-  identical in the lines used here (around line 488 upstream, per the field notes).
-- vLLM, vllm-project/vllm: ``vllm/model_executor/models/llama_eagle3.py`` @583507d,
-  ``vllm/model_executor/models/registry.py`` @0002bff, ``vllm/transformers_utils/configs/
-  eagle.py`` @23c5aa9, ``vllm/config/speculative.py`` @f19b16d; a recent
-  ``llama_eagle3.py`` (the 1CatAI/1Cat-vLLM fork @92a785c) for the optional embedding.
-- SGLang, sgl-project/sglang: ``python/sglang/srt/models/llama_eagle3.py`` @d737979,
-  ``python/sglang/srt/speculative/eagle_worker.py`` @fba8ecc; ``server_args.py`` (several
-  versions) for the top-k 1 rule.
+- EAGLE reference, https://github.com/SafeAILab/EAGLE: ``eagle/model/ea_model.py``
+  (``EaModel.from_pretrained``), ``eagle/model/configs.py`` (``EConfig``),
+  ``eagle/model/cnets.py`` (the EAGLE-3 ``Model.__init__``), ``eagle/traineagle3/cnets.py``
+  (the EAGLE-3 attention).
+- vLLM, https://github.com/vllm-project/vllm: ``vllm/model_executor/models/llama_eagle3.py``,
+  ``vllm/model_executor/models/registry.py``, ``vllm/transformers_utils/configs/eagle.py``,
+  ``vllm/config/speculative.py``.
+- SGLang, https://github.com/sgl-project/sglang: ``python/sglang/srt/models/llama_eagle3.py``,
+  ``python/sglang/srt/speculative/eagle_worker.py``, ``python/sglang/srt/server_args.py``.
 """
 
 from __future__ import annotations
@@ -97,9 +94,10 @@ def _expected(c: dict, head_dim: int) -> dict[str, tuple[int, ...]]:
     """The EAGLE-3 weights all three engines build, by published name, for config ``c``.
 
     fc's input is 3 x ``target_hidden_size`` when the key exists, else 3 x ``hidden_size``: the
-    same test in EAGLE cnets.py Model.__init__, vLLM llama_eagle3.py @583507d lines ~111-118
-    and SGLang llama_eagle3.py @d737979 lines ~129-138. q/k/v read ``cat(embed, hidden)``, 2H
-    wide (vLLM lines ~42-50, SGLang lines ~53-61, EAGLE traineagle3/cnets.py LlamaAttention).
+    same test in EAGLE's cnets.py ``Model.__init__`` and in vLLM's and SGLang's
+    llama_eagle3.py (``LlamaModel.__init__``). q/k/v read ``cat(embed, hidden)``, 2H wide (the
+    decoder layer's ``__init__`` in both llama_eagle3.py, EAGLE traineagle3/cnets.py
+    ``LlamaAttention``).
     """
     H, I = c["hidden_size"], c["intermediate_size"]
     nh = c["num_attention_heads"]
@@ -133,7 +131,7 @@ def _eagle_reference(head: HeadFiles) -> list[str]:
     """SafeAILab/EAGLE ``EaModel.from_pretrained(use_eagle3=True)``."""
     c, out = head.config, []
     H, nh = c["hidden_size"], c["num_attention_heads"]
-    # EConfig (configs.py @08dc06c) is a PretrainedConfig with LLaMA-7B defaults: a missing
+    # EConfig (configs.py) is a PretrainedConfig with LLaMA-7B defaults: a missing
     # key is not an error there, it is hidden 4096, eps 1e-6, RoPE base 10000 (cnets uses
     # rope_theta only when the config has it).
     if "draft_vocab_size" not in c:  # cnets.py Model.__init__ sizes lm_head and d2t by it: no default
@@ -141,7 +139,7 @@ def _eagle_reference(head: HeadFiles) -> list[str]:
     for k in ("rms_norm_eps", "rope_theta", "max_position_embeddings"):
         if k not in c:
             out.append(f"config.json has no {k}: the EAGLE reference falls back to its LLaMA-7B default")
-    # traineagle3/cnets.py @09fe6a0, LlamaAttention.__init__: head_dim = hidden_size //
+    # traineagle3/cnets.py, LlamaAttention.__init__: head_dim = hidden_size //
     # num_attention_heads (a config head_dim is not read); ValueError if it does not divide.
     if H % nh:
         return out + [f"hidden_size {H} is not divisible by num_attention_heads {nh}: EAGLE raises"]
@@ -153,9 +151,9 @@ def _eagle_reference(head: HeadFiles) -> list[str]:
         out.append(f"rope_scaling {rs!r}: EConfig accepts only None or type linear/dynamic")
     expected = _expected(c, H // nh)
     V, Vd = c["vocab_size"], c.get("draft_vocab_size") or c["vocab_size"]
-    if V == Vd:  # ea_model.py @47de7b0 lines 73-74: d2t/t2d deleted before loading
+    if V == Vd:  # ea_model.py, EaModel.from_pretrained: d2t/t2d deleted before loading
         expected.pop("d2t"), expected.pop("t2d")
-    # ea_model.py @47de7b0 line 75: load_state_dict(..., strict=False). Missing names keep
+    # ea_model.py, EaModel.from_pretrained: load_state_dict(..., strict=False). Missing names keep
     # their random init and extra names are dropped, both without a word.
     for k in expected:
         if k not in head.shapes:
@@ -175,8 +173,8 @@ def _eagle_reference(head: HeadFiles) -> list[str]:
 def _vllm(head: HeadFiles) -> list[str]:
     """vLLM ``--speculative-config '{"method": "eagle3", ...}'``."""
     c, out = head.config, []
-    # transformers_utils/configs/eagle.py @23c5aa9: for eagle3 an architecture is kept if it
-    # starts or ends with "Eagle3", else prefixed with "Eagle3"; registry.py @0002bff maps
+    # transformers_utils/configs/eagle.py (EAGLEConfig): for eagle3 an architecture is kept if it
+    # starts or ends with "Eagle3", else prefixed with "Eagle3"; registry.py maps
     # both resulting Llama names to llama_eagle3.Eagle3LlamaForCausalLM.
     archs = [a if a.startswith("Eagle3") or a.endswith("Eagle3") else "Eagle3" + a
              for a in c.get("architectures") or []]
@@ -185,7 +183,7 @@ def _vllm(head: HeadFiles) -> list[str]:
                    f"(write LlamaForCausalLMEagle3)")
     if c.get("model_type") != "llama":  # the draft config is read through transformers' AutoConfig
         out.append(f"model_type {c.get('model_type')!r}: vLLM reads the head as a Llama config ('llama')")
-    if c.get("num_hidden_layers") != 1:  # later layers expect hidden-only input (1Cat fork lines ~44-54)
+    if c.get("num_hidden_layers") != 1:  # llama_eagle3.py: layers after the first read hidden only, H wide
         out.append(f"num_hidden_layers {c.get('num_hidden_layers')}: a treespec head is one layer")
     if c.get("norm_before_residual"):  # recent llama_eagle3.py: residual taken after hidden_norm
         out.append("norm_before_residual is set: vLLM would take the residual after hidden_norm")
@@ -193,10 +191,10 @@ def _vllm(head: HeadFiles) -> list[str]:
     expected = _expected(c, c.get("head_dim") or H // nh)  # vLLM's LlamaAttention reads head_dim
     expected["embed_tokens.weight"] = (c["vocab_size"], H)
 
-    def canonical(k):  # llama_eagle3.py @583507d line ~158: midlayer. is read as layers.0.
+    def canonical(k):  # llama_eagle3.py, LlamaModel.load_weights: midlayer. is read as layers.0.
         return "midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k
 
-    # load_weights (@583507d lines ~156-172): t2d skipped, d2t -> draft_id_to_target_id, any
+    # Eagle3LlamaForCausalLM.load_weights: t2d skipped, d2t -> draft_id_to_target_id, any
     # other name without a parameter is a KeyError (loud); there is no completeness check, so
     # a missing weight stays uninitialised (silent).
     for k in head.shapes:
@@ -219,15 +217,16 @@ def _sglang(head: HeadFiles) -> list[str]:
     c, out = head.config, []
     if "LlamaForCausalLMEagle3" not in (c.get("architectures") or []):  # EntryClass (last line) names the class
         out.append(f"architectures {c.get('architectures')}: SGLang picks LlamaForCausalLMEagle3 by this name")
-    if c.get("num_hidden_layers") != 1:  # @d737979 lines ~193-194: ValueError
+    if c.get("num_hidden_layers") != 1:  # llama_eagle3.py, LlamaForCausalLMEagle3.__init__: ValueError
         out.append(f"num_hidden_layers {c.get('num_hidden_layers')}: SGLang's EAGLE3 supports exactly 1")
-    if c.get("tie_word_embeddings"):  # lines ~202-203: lm_head becomes the embedding
+    if c.get("tie_word_embeddings"):  # LlamaForCausalLMEagle3.__init__: lm_head becomes the embedding
         out.append("tie_word_embeddings is true: SGLang would use the embedding as lm_head, not the head's")
     V, H, nh = c["vocab_size"], c["hidden_size"], c["num_attention_heads"]
     lm = head.shapes.get("lm_head.weight")
-    if c.get("draft_vocab_size") is None and lm is not None and lm[0] != V:  # lines ~205-207
+    # LlamaForCausalLMEagle3.__init__: without draft_vocab_size, lm_head is the target's (load_lm_head_from_target)
+    if c.get("draft_vocab_size") is None and lm is not None and lm[0] != V:
         out.append("no draft_vocab_size: SGLang would take the target's full lm_head instead of the head's")
-    bias = bool(c.get("bias", False))  # fc bias=getattr(config, "bias", False), line ~137
+    bias = bool(c.get("bias", False))  # LlamaModel.__init__: fc bias=getattr(config, "bias", False)
     if bias != ("fc.bias" in head.shapes):
         out.append(f"config bias={bias} but fc.bias is {'present' if 'fc.bias' in head.shapes else 'absent'}: "
                    f"SGLang would drop it or leave a random bias")
@@ -235,7 +234,7 @@ def _sglang(head: HeadFiles) -> list[str]:
     expected["embed_tokens.weight"] = (V, H)  # loaded, then replaced by the target's (eagle_worker set_embed)
     if bias:
         expected["fc.bias"] = (H,)
-    # load_weights (lines ~219-260): a name is tried as-is and with "model." in front; one that
+    # LlamaForCausalLMEagle3.load_weights: a name is tried as-is and with "model." in front; one that
     # matches no parameter is skipped without a word (the layers.0. spelling among them).
     for k in head.shapes:
         if k not in expected:
@@ -243,7 +242,7 @@ def _sglang(head: HeadFiles) -> list[str]:
     for k in expected:
         if k in head.shapes or k in ("t2d", "embed_tokens.weight"):
             continue
-        if k == "d2t":  # eagle_worker.py @fba8ecc: hot token ids come from d2t only
+        if k == "d2t":  # eagle_worker.py: hot token ids come from d2t only
             if (c.get("draft_vocab_size") or V) != V:
                 out.append("d2t missing with a reduced draft vocabulary: SGLang has no hot-token map")
             continue

@@ -9,7 +9,7 @@ each weight once into oneDNN's layout (``torch.ops.mkldnn._reorder_linear_weight
 inductor's weight prepacking does) and calling ``_linear_pointwise`` removes both: the
 forward of 16 tree tokens then costs little more than the forward of one.
 
-    packed = PackedLinears(model)     # start-up: packs every nn.Linear (~0.5 s for 135M)
+    packed = PackedLinears(model)     # start-up: packs every nn.Linear once (docs/runtime.md)
     with packed:                      # the model's Linear layers run on the packed copies
         treespec.generate(model, ...)
         model.generate(...)           # the same advantage for the baseline
@@ -165,8 +165,8 @@ def native_bf16() -> bool:
 
 
 def default_dtype(device: str = "cpu") -> torch.dtype:
-    """bf16 on a GPU and on a CPU with native bf16 (measured 1.6x faster per forward on
-    AMD Zen 4, docs/benchmarks.md), else fp32."""
+    """bf16 on a GPU and on a CPU with native bf16 (there a forward is faster in bf16 than in
+    fp32: docs/benchmarks.md), else fp32."""
     if torch.device(device).type == "cuda" or native_bf16():
         return torch.bfloat16
     return torch.float32

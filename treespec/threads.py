@@ -2,9 +2,8 @@
 
 torch runs one thread per core by default, and its threads wait on each other at every
 operation: when other processes hold the cores, each wait stretches to a scheduler time
-slice. On a 2-core machine with both cores busy, SmolLM2-135M ran at 0.6 tok/s on 2 threads
-and 9.2 tok/s on 1 (see README, "Threads"). Imports nothing heavy: the command line asks
-before torch is loaded.
+slice, and two threads on two busy cores run many times slower than one (README, "Threads",
+has the measurement). Imports nothing heavy: the command line asks before torch is loaded.
 """
 
 from __future__ import annotations

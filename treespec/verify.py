@@ -114,6 +114,34 @@ def _sample_inverse_cdf(r: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx.clamp_(max=r.shape[-1] - 1)
 
 
+def _children(trees: list[Tree], n: int, C: int, device) -> torch.Tensor:
+    """int64 ``[B, n, C]``: ``[b, i, c]`` is the node index of node i's c-th child (-1: none)."""
+    children = torch.full((len(trees), n, C), -1, dtype=torch.int64, device=device)
+    for b, t in enumerate(trees):
+        seen: dict[int, int] = {}
+        for i, p in enumerate(t.parents.tolist()[1:], start=1):
+            c = seen.get(p, 0)
+            if c >= C:
+                raise ValueError(f"uniforms allow {C} children per node, tree has more")
+            children[b, p, c] = i
+            seen[p] = c + 1
+    return children
+
+
+def _residual_(r: torch.Tensor, q: torch.Tensor, rej: torch.Tensor, x: torch.Tensor) -> None:
+    """In place, for the rows ``rej`` (bool ``[B]``) whose sampled draft ``x`` (int64 ``[B]``)
+    was rejected: ``r <- max(r - q, 0)`` and ``q[x] <- 0``, both renormalised (float ``[B, V]``)."""
+    rn = r[rej] / r[rej].sum(-1, keepdim=True)
+    qn = q[rej] / q[rej].sum(-1, keepdim=True)
+    resid = (rn - qn).clamp_(min=0)
+    # Numerically r <= q everywhere: fall back to r itself.
+    empty = resid.sum(-1, keepdim=True) <= 0
+    r[rej] = torch.where(empty, rn, resid)
+    qr = q[rej]
+    qr[torch.arange(qr.shape[0], device=r.device), x[rej]] = 0
+    q[rej] = qr
+
+
 def verify_sampling(
     trees: list[Tree],
     target_probs: torch.Tensor,
@@ -147,16 +175,7 @@ def verify_sampling(
     B, n = pt.tokens.shape
     C = uniforms.shape[2] - 1
     arange_b = torch.arange(B, device=device)
-    # children[b, i, c] = node index of the c-th child of node i (-1 = none).
-    children = torch.full((B, n, C), -1, dtype=torch.int64, device=device)
-    for b, t in enumerate(trees):
-        seen: dict[int, int] = {}
-        for i, p in enumerate(t.parents.tolist()[1:], start=1):
-            c = seen.get(p, 0)
-            if c >= C:
-                raise ValueError(f"uniforms allow {C} children per node, tree has more")
-            children[b, p, c] = i
-            seen[p] = c + 1
+    children = _children(trees, n, C, device)
     if uniforms.shape[1] <= int(pt.depth.max()):
         raise ValueError("uniforms must cover every depth of every tree")
 
@@ -186,15 +205,7 @@ def verify_sampling(
                 acc = test & (u * qx * r.sum(-1) < rx)  # u < min(1, r/q)
                 rej = test & ~acc
                 if rej.any():
-                    rn = r[rej] / r[rej].sum(-1, keepdim=True)
-                    qn = q[rej] / q[rej].sum(-1, keepdim=True)
-                    resid = (rn - qn).clamp_(min=0)
-                    # Numerically r <= q everywhere: fall back to r itself.
-                    empty = resid.sum(-1, keepdim=True) <= 0
-                    r[rej] = torch.where(empty, rn, resid)
-                    qr = q[rej]
-                    qr[torch.arange(qr.shape[0], device=device), x[rej]] = 0
-                    q[rej] = qr
+                    _residual_(r, q, rej, x)
             chosen = torch.where(acc, child, chosen)
         stop = alive & (chosen < 0)
         if stop.any():
