@@ -251,8 +251,8 @@ def gen(**kw):
     return treespec.generate(**args)
 
 
-@pytest.mark.parametrize("option,value", [("repetition_penalty", 1.2), ("num_beams", 2), ("logit_bias", {1: 2.0}),
-                                          ("no_repeat_ngram_size", 2), ("do_sample", True)])
+@pytest.mark.parametrize("option,value", [("num_beams", 2), ("logit_bias", {1: 2.0}), ("guidance_scale", 1.5),
+                                          ("frequency_penalty", 0.5), ("do_sample", True), ("attention_mask", [1])])
 def test_unsupported_options_raise(option, value):
     with pytest.raises(ValueError, match=option):
         gen(**{option: value})

@@ -22,15 +22,17 @@ from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
+from transformers import GenerationConfig
 
 from .auto import AutoController, AutoProfile
 from .config import TreeConfig
 from .drafters.base import DraftStart, Drafter
 from .mask import causal_mask
 from .runner import ModelRunner
-from .sampling import UNSUPPORTED_OPTIONS, SamplingParams
+from .processing import NodeProcessor, RequestDecoding, exact_generation_config, resolve_generation_config
+from .sampling import SamplingParams
 from .tree import Tree
-from .verify import Verdict, verify_greedy, verify_sampling
+from .verify import Verdict, verify_greedy
 
 __all__ = ["generate", "stream", "GenerateOutput", "SpecMetrics", "RequestMetrics", "StepOutput"]
 
@@ -258,18 +260,44 @@ def _resolve_draft(draft) -> Drafter:
     )
 
 
-def _generators(seed, n: int, device) -> list[torch.Generator | None]:
+def _seeds(seed, n: int) -> list[int]:
+    """Each request's sampling seed: ``seed + i``, one given per request, or (None) drawn from
+    torch's global generator, so that ``torch.manual_seed`` makes a run repeatable."""
     if seed is None:
-        return [None] * n
-    seeds = [seed + i for i in range(n)] if isinstance(seed, int) else list(seed)
+        return torch.randint(0, 2**62, (n,)).tolist()
+    seeds = [seed + i for i in range(n)] if isinstance(seed, int) else [int(s) for s in seed]
     if len(seeds) != n:
         raise ValueError(f"seed gives {len(seeds)} seeds for {n} requests")
-    gens = []
-    for s in seeds:
-        g = torch.Generator(device="cpu")
-        g.manual_seed(int(s))
-        gens.append(g)
-    return gens
+    return seeds
+
+
+def _decodings(model, prompts: list[list[int]], eos: set[int], temperature, top_k, top_p, min_p, seed,
+               generation_config, logits_processor, options: dict) -> list[RequestDecoding]:
+    """Each request's processors and seed, from treespec's keyword arguments (exactly the
+    options given) or from a ``generation_config`` (transformers' semantics: the model's
+    generation config and transformers' defaults under it)."""
+    n = len(prompts)
+    if generation_config is not None:
+        if not (isinstance(temperature, numbers.Real) and temperature == 0) or any(
+                v is not None for v in (top_k, top_p, min_p)):
+            raise ValueError("with generation_config, set do_sample, temperature, top_k, top_p and min_p in it")
+        configs = [resolve_generation_config(model, generation_config, **options)] * n
+    else:
+        for name in ("do_sample", "attention_mask"):
+            if name in options:
+                raise ValueError(f"{name} is not an option of treespec.generate: "
+                                 + ("temperature > 0 samples" if name == "do_sample" else
+                                    "give the prompts unpadded, as a list of token lists"))
+        params = _sampling_params(temperature, top_k, top_p, min_p, n)
+        fields = {}
+        for p in set(params):
+            warpers = {} if p.greedy else dict(do_sample=True, temperature=float(p.temperature), top_k=p.top_k or 0,
+                                               top_p=1.0 if p.top_p is None else p.top_p, min_p=p.min_p)
+            fields[p] = exact_generation_config(model, eos_token_id=sorted(eos) or None, **warpers, **options)
+        configs = [fields[p] for p in params]
+    seeds = _seeds(seed, n)
+    return [RequestDecoding(NodeProcessor.build(model, c, len(p), logits_processor), s if c.do_sample else None)
+            for c, p, s in zip(configs, prompts, seeds)]
 
 
 def _sampling_params(temperature, top_k, top_p, min_p, n: int) -> list[SamplingParams]:
@@ -293,7 +321,7 @@ def stream(
     tree_cfg,
     input_ids,
     *,
-    max_new_tokens: int = 128,
+    max_new_tokens: int | None = None,
     temperature: float | Sequence[float] = 0.0,
     top_k: int | None = None,
     top_p: float | None = None,
@@ -303,6 +331,8 @@ def stream(
     attention_backend: str = "auto",
     page_size: int = 16,
     auto_profile=None,
+    generation_config=None,
+    logits_processor=None,
     **options,
 ) -> Iterator[StepOutput]:
     """Decode with tree speculation, yielding the tokens each step commits.
@@ -313,30 +343,25 @@ def stream(
     ``model.generate(do_sample=True)``, nothing is taken from the model's generation
     config but the EOS id, and there is no implicit ``top_k=50``; pass ``top_k=50`` to
     sample as transformers does by default. See :func:`generate` for the arguments.
-    ``seed`` is an int (request i uses ``seed + i``) or one seed per request; each request
-    has its own generator, so its output does not depend on its batch (except with an ``auto``
-    tree: its sizes follow measured times and the batch's joint choice, so the uniforms a
-    request draws, and with them its sampled tokens, can differ from run to run; the
-    distribution is exact either way).
-    ``auto_profile``: see :func:`generate`.
+    ``seed`` is an int (request i uses ``seed + i``) or one seed per request: it fixes each
+    request's tokens whatever the tree, drafter and batch, and ``stream`` gives what
+    ``generate`` gives. Further options (``generation_config``, ``logits_processor``,
+    ``repetition_penalty=...`` and the other GenerationConfig fields): see :func:`generate`.
     """
-    run = _checked_run(model, draft, tree_cfg, input_ids, max_new_tokens, temperature, top_k, top_p, min_p,
-                       seed, eos_token_id, attention_backend, auto_profile, options)
-    yield from _loop(*run, max_new=max_new_tokens, page_size=page_size, auto_profile=auto_profile)
+    run, max_new = _checked_run(model, draft, tree_cfg, input_ids, max_new_tokens, temperature, top_k, top_p, min_p,
+                                seed, eos_token_id, attention_backend, auto_profile, generation_config,
+                                logits_processor, options)
+    yield from _loop(*run, max_new=max_new, page_size=page_size, auto_profile=auto_profile)
 
 
-def _checked_run(model, draft, tree_cfg, input_ids, max_new_tokens, temperature, top_k, top_p, min_p,
-                 seed, eos_token_id, attention_backend, auto_profile, options: dict):
+def _checked_run(model, draft, tree_cfg, input_ids, max_new_tokens, temperature, top_k, top_p, min_p, seed,
+                 eos_token_id, attention_backend, auto_profile, generation_config, logits_processor, options: dict):
     """Every argument check of :func:`stream`, in the order a user meets them; returns what
-    the loop runs on: ``(runner, drafter, cfg, prompts, params, eos, gens)``."""
-    for name in options:
-        if name in UNSUPPORTED_OPTIONS:
-            raise ValueError(
-                f"{name} is not supported: it changes the output distribution and treespec "
-                f"cannot apply it losslessly at every tree node; supported sampling options "
-                f"are temperature, top_k, top_p and min_p"
-            )
-        raise TypeError(f"unexpected keyword argument {name!r}")
+    the loop runs on, ``(runner, drafter, cfg, prompts, decodings, eos)``, and the token budget."""
+    if generation_config is not None and not isinstance(generation_config, GenerationConfig):
+        raise ValueError(f"generation_config must be a transformers GenerationConfig, got {type(generation_config).__name__}")
+    if max_new_tokens is None:
+        max_new_tokens = getattr(generation_config, "max_new_tokens", None) or 128
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     cfg = TreeConfig.preset(tree_cfg) if isinstance(tree_cfg, str) else tree_cfg
@@ -346,8 +371,12 @@ def _checked_run(model, draft, tree_cfg, input_ids, max_new_tokens, temperature,
     prompts, _ = _prompts(input_ids)
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    params = _sampling_params(temperature, top_k, top_p, min_p, len(prompts))
-    if cfg.auto and len({p.greedy for p in params}) > 1:
+    if eos_token_id is None and generation_config is not None:
+        eos_token_id = generation_config.eos_token_id
+    eos = _eos_set(model, eos_token_id)
+    decodings = _decodings(model, prompts, eos, temperature, top_k, top_p, min_p, seed, generation_config,
+                           logits_processor, options)
+    if cfg.auto and len({d.greedy for d in decodings}) > 1:
         raise ValueError(
             "an auto tree calibrates greedy and sampled acceptance separately: give one batch one "
             "decoding mode (all temperatures 0 or all > 0), or use a fixed tree"
@@ -360,11 +389,10 @@ def _checked_run(model, draft, tree_cfg, input_ids, max_new_tokens, temperature,
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the model's vocabulary (0..{vocab - 1})")
     _warn_past_context(prompts, max_new_tokens, runner.max_positions)
-    eos = _eos_set(model, eos_token_id)
-    gens = _generators(seed, len(prompts), runner.device)
     if auto_profile is not None and not isinstance(auto_profile, AutoProfile):
         raise ValueError(f"auto_profile must be a treespec.AutoProfile, got {type(auto_profile).__name__}")
-    return runner, drafter, cfg, prompts, params, eos, gens
+    return (runner, drafter, cfg, prompts, decodings, eos), max_new_tokens
+
 
 def _warn_past_context(prompts: list[list[int]], max_new: int, max_pos: int | None) -> None:
     """Warn, as HF generate does, when a request reaches past the model's positions: the
@@ -472,7 +500,7 @@ class _StepTimer:
 
 
 def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts: list[list[int]],
-          params: list[SamplingParams], eos: set[int], gens, *, max_new: int, page_size: int,
+          decodings: list[RequestDecoding], eos: set[int], *, max_new: int, page_size: int,
           auto_profile: AutoProfile | None = None) -> Iterator[StepOutput]:
     B = len(prompts)
     metrics = SpecMetrics(requests=[RequestMetrics() for _ in range(B)])
@@ -480,13 +508,13 @@ def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts: list[
     # Nodes per step: the tree's, plus what the drafter grafts on top (prompt lookup).
     max_nodes = cfg.num_nodes + drafter.extra_nodes
     with runner.attached():
-        auto = _controller(runner, drafter, cfg, params[0].greedy, B, max_nodes, auto_profile)
+        auto = _controller(runner, drafter, cfg, decodings[0].greedy, B, max_nodes, auto_profile)
         timer = _StepTimer(metrics)
         # One row of the cache per request, each long enough for the longest: a batch's K/V
         # are then read as a view of the cache, not gathered (PagedKVCache.add_sequences).
         cache, seqs = runner.new_rows_cache(B, max(len(p) for p in prompts) + max_new + max_nodes + 1, page_size)
         with timer("prefill"):
-            first, features = _prefill(runner, cache, seqs, prompts, params, gens)
+            first, features = _prefill(runner, cache, seqs, prompts, decodings)
         generated, done = [[t] for t in first], [t in eos or max_new == 1 for t in first]
         metrics.record_first_tokens()
         yield StepOutput(0, [[t] for t in first], list(done), timer.total())
@@ -508,7 +536,8 @@ def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts: list[
                 trees = _draft(drafter, session, auto, timer, active, roots, depth, room)
             with timer("verify"):
                 out = _tree_forward(runner, cache, [seqs[b] for b in active], trees, prefix)
-                verdicts = _verify(trees, out.logits, [params[b] for b in active], [gens[b] for b in active])
+                verdicts = _verify(trees, out.logits, [decodings[b] for b in active],
+                                   [prompts[b] + generated[b] for b in active])
                 tokens, kept = _commit(verdicts, out.features, active, cache, seqs, generated, done, eos, max_new)
                 auto.learn(trees, [v.path for v in verdicts])
                 metrics.record_step(active, trees, tokens)
@@ -524,8 +553,8 @@ def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts: list[
     timer.total()
 
 
-def _prefill(runner: ModelRunner, cache, seqs: list[int], prompts: list[list[int]], params: list[SamplingParams],
-             gens) -> tuple[list[int], list[torch.Tensor] | None]:
+def _prefill(runner: ModelRunner, cache, seqs: list[int], prompts: list[list[int]],
+             decodings: list[RequestDecoding]) -> tuple[list[int], list[torch.Tensor] | None]:
     """Each whole prompt through the target, its K/V committed; returns each request's first
     token (picked from the prompt's last logits) and the prompt's target features (``[L_b, F]``,
     None when the drafter reads none)."""
@@ -536,7 +565,8 @@ def _prefill(runner: ModelRunner, cache, seqs: list[int], prompts: list[list[int
     )
     for s, p in zip(seqs, prompts):
         cache.commit(s, torch.arange(len(p)))
-    return [_pick(out.logits[b][0], params[b], gens[b]) for b in range(len(prompts))], out.features
+    first = [int(d.choose(torch.tensor(p), logits)[0]) for d, p, logits in zip(decodings, prompts, out.logits)]
+    return first, out.features
 
 
 def _budgets(active: list[int], prefix: list[int], generated: list[list[int]], cache, seqs: list[int],
@@ -608,56 +638,24 @@ def _by_request(tokens: list[list[int]], active: list[int], batch: int) -> list[
     return out
 
 
-def _pick(logits: torch.Tensor, params: SamplingParams, gen) -> int:
-    """One token from float ``[V]`` logits: the argmax, or a sample under ``params``."""
-    if params.greedy:
-        return int(logits.argmax())
-    probs = params.probs(logits[None].float())[0]
-    return int(torch.multinomial(probs, 1, generator=gen))
-
-
-def _verify(trees: list[Tree], logits: list[torch.Tensor], params: Sequence[SamplingParams], gens) -> list[Verdict]:
-    """The verification stage: each request's verdict on its tree under its own sampling
-    parameters (requests that share them are verified together).
+def _verify(trees: list[Tree], logits: list[torch.Tensor], decodings: Sequence[RequestDecoding],
+            histories: Sequence[list[int]]) -> list[Verdict]:
+    """The verification stage: each request's verdict on its tree. The target's choice at each
+    node (its argmax, or its sample at that position, after the request's processors with the
+    node's own history) decides; a child is accepted exactly when it carries its parent's
+    choice, so greedy and sampled requests share one rule (treespec.processing).
 
     Args:
-        trees:  one per active request, ``n_b`` nodes.
-        logits: float ``[n_b, V]`` per request: the target's logits at each node of its tree.
-        params: each request's sampling parameters.
-        gens:   each request's ``torch.Generator`` (or None), for its uniforms.
+        trees:     one per active request, ``n_b`` nodes.
+        logits:    float ``[n_b, V]`` per request: the target's logits at each node of its tree.
+        decodings: each request's processors and seed.
+        histories: each request's committed tokens, the tree's root last.
     """
-    groups: dict[SamplingParams, list[int]] = {}
-    for i, p in enumerate(params):
-        groups.setdefault(p, []).append(i)
-    out: list[Verdict | None] = [None] * len(trees)
-    for p, idx in groups.items():
-        for i, v in zip(idx, _verify_group([trees[i] for i in idx], [logits[i] for i in idx], p, [gens[i] for i in idx])):
-            out[i] = v
-    return out
-
-
-def _verify_group(trees: list[Tree], logits: list[torch.Tensor], params: SamplingParams, gens) -> list[Verdict]:
     n = max(t.num_nodes for t in trees)
-    if params.greedy:  # argmax in the logits' own dtype: widening to fp32 is exact, so it picks the same
-        argmax = torch.zeros(len(trees), n, dtype=torch.int64, device=logits[0].device)
-        for i, l in enumerate(logits):
-            argmax[i, : l.shape[0]] = l.argmax(-1)
-        return verify_greedy(trees, argmax)
-    padded = torch.zeros(len(trees), n, logits[0].shape[-1], dtype=torch.float32, device=logits[0].device)
-    for i, l in enumerate(logits):
-        padded[i, : l.shape[0]] = l.float()
-    probs = params.probs(padded)
-    # Each request draws from its own generator, shaped by its own tree only, so its
-    # samples do not depend on the other requests of the batch.
-    D = max(t.max_depth for t in trees)
-    C = max(int(t.children_count().max()) for t in trees)
-    u = torch.zeros(len(trees), D + 1, C + 1)
-    for i, (t, g) in enumerate(zip(trees, gens)):
-        d, c = t.max_depth, int(t.children_count().max())
-        draw = torch.rand(d + 1, c + 1, generator=g)
-        u[i, : d + 1, :c] = draw[:, :c]
-        u[i, : d + 1, C] = draw[:, c]  # the bonus column
-    return verify_sampling(trees, probs, u.to(probs.device))
+    choice = torch.zeros(len(trees), n, dtype=torch.int64, device=logits[0].device)
+    for i, (t, l, d, h) in enumerate(zip(trees, logits, decodings, histories)):
+        choice[i, : l.shape[0]] = d.choose(torch.tensor(h), l, t)
+    return verify_greedy(trees, choice)
 
 
 def generate(
@@ -666,7 +664,7 @@ def generate(
     tree_cfg,
     input_ids,
     *,
-    max_new_tokens: int = 128,
+    max_new_tokens: int | None = None,
     temperature: float | Sequence[float] = 0.0,
     top_k: int | None = None,
     top_p: float | None = None,
@@ -675,6 +673,8 @@ def generate(
     eos_token_id: int | Sequence[int] | None = None,
     attention_backend: str = "auto",
     auto_profile=None,
+    generation_config=None,
+    logits_processor=None,
     **options,
 ) -> GenerateOutput:
     """Generate with tree speculation; same output as ``model`` alone.
@@ -687,15 +687,19 @@ def generate(
                     (no speculation: autoregressive decoding through treespec's runner).
         tree_cfg:   a :class:`TreeConfig` or a preset name (``treespec.PRESETS``).
         input_ids:  one prompt (1-D tensor or list of ints) or a list of prompts of any lengths.
-        max_new_tokens: per request; EOS (``eos_token_id`` or the model's generation config)
+        max_new_tokens: per request (default: ``generation_config.max_new_tokens`` if set, else
+                    128); EOS (``eos_token_id``, else the generation config's or the model's)
                     ends a request early and is kept in its output.
         temperature, top_k, top_p, min_p: sampling (``temperature=0`` is greedy).
                     ``temperature`` may give one value per request (0: that request is
                     greedy; top_k/top_p/min_p apply to the sampled ones), as a batch of
                     greedy and sampled answers does (``treespec capture``); not with an
                     ``auto`` tree, which calibrates the two modes apart.
-        seed:       int or one per request, for reproducible sampling (not with an ``auto``
-                    tree, whose sizes follow measured times: see :func:`stream`).
+        seed:       int (request i uses ``seed + i``) or one per request. It fixes the sampled
+                    output whatever the tree, the drafter, ``auto``'s choices and the batch
+                    (on one machine, dtype and thread count): each position's sample is drawn
+                    by the Gumbel-max trick with noise keyed by (seed, position). None: seeds
+                    drawn from torch's global generator (``torch.manual_seed`` repeats a run).
         attention_backend: ``"auto"`` (FlashInfer on CUDA when installed), ``"torch"`` or
                     ``"flashinfer"``.
         auto_profile: for an ``auto`` tree (``"auto"``, ``TreeConfig.auto(...)``): the
@@ -705,6 +709,20 @@ def generate(
                     measured (a few seconds, once per machine and model), its calibrations
                     the draft's own (a head directory's ``auto-profile.json``) or else the
                     prior. Ignored otherwise.
+        generation_config: a transformers ``GenerationConfig``, read as ``model.generate`` reads
+                    it (the model's generation config and transformers' defaults under it, so
+                    ``do_sample=True`` brings ``top_k=50``); then give no temperature/top_k/
+                    top_p/min_p here. Every processor transformers builds from it runs at every
+                    tree node with that node's own history (docs/generation.md).
+        logits_processor: a ``LogitsProcessorList`` of your own, run after transformers' at
+                    every node; each must be a pure function of ``(input_ids, scores)``: it is
+                    called once per tree depth on a batch of candidate histories, many of which
+                    are never committed.
+        **options:  fields of ``GenerationConfig`` (``repetition_penalty=1.1``,
+                    ``no_repeat_ngram_size=4``, ``min_new_tokens``, ``bad_words_ids``,
+                    ``sequence_bias``, ``suppress_tokens``, ``typical_p``, ...): exactly those
+                    given, as the sampling arguments are. Options that cannot be exact on trees
+                    (beam search, guidance, ...) raise a ValueError that names them.
     Returns:
         :class:`GenerateOutput` with ``sequences`` and ``metrics``.
     """
@@ -714,7 +732,8 @@ def generate(
     for out in stream(
         model, draft, tree_cfg, input_ids, max_new_tokens=max_new_tokens, temperature=temperature,
         top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, eos_token_id=eos_token_id,
-        attention_backend=attention_backend, auto_profile=auto_profile, **options,
+        attention_backend=attention_backend, auto_profile=auto_profile, generation_config=generation_config,
+        logits_processor=logits_processor, **options,
     ):
         for s, t in zip(seqs, out.tokens):
             s.extend(t)

@@ -37,7 +37,8 @@ from transformers.generation.logits_process import LogitsProcessorList
 
 from .tree import Tree
 
-__all__ = ["NodeProcessor", "path_tokens", "gumbel_noise", "resolve_generation_config", "UNSUPPORTED"]
+__all__ = ["NodeProcessor", "RequestDecoding", "path_tokens", "gumbel_noise", "resolve_generation_config",
+           "exact_generation_config", "UNSUPPORTED"]
 
 # GenerationConfig fields that cannot be exact on trees, with the reason a user is told.
 UNSUPPORTED = {
@@ -55,6 +56,14 @@ UNSUPPORTED = {
     "prompt_lookup_num_tokens": "treespec has its own prompt lookup: draft='ngram' or '<head>+lookup'",
 }
 
+# Options of other engines' APIs (vLLM, OpenAI) that users carry over, with what to use here.
+ELSEWHERE = {
+    "logit_bias": "use sequence_bias={(token_id,): bias, ...}",
+    "frequency_penalty": "transformers has repetition_penalty (a multiplicative penalty on tokens seen)",
+    "presence_penalty": "transformers has repetition_penalty (a multiplicative penalty on tokens seen)",
+    "stop": "use stop_strings=[...] (with tokenizer=) or eos_token_id",
+}
+
 
 def resolve_generation_config(model, generation_config: GenerationConfig | None, **kwargs) -> GenerationConfig:
     """The config ``model.generate(generation_config=..., **kwargs)`` would decode with: the
@@ -65,6 +74,25 @@ def resolve_generation_config(model, generation_config: GenerationConfig | None,
     cfg, unused = model._prepare_generation_config(copy.deepcopy(generation_config), **kwargs)
     if unused:
         raise ValueError(f"unknown generation options {sorted(unused)}: not fields of transformers' GenerationConfig")
+    return _checked(model, cfg)
+
+
+def exact_generation_config(model, **fields) -> GenerationConfig:
+    """A config of exactly ``fields``: nothing from the model's generation config or
+    transformers' defaults (no implicit ``top_k=50``). Raises TypeError on a name that is not a
+    GenerationConfig field, ValueError on an option ``UNSUPPORTED`` names."""
+    for name, instead in ELSEWHERE.items():
+        if name in fields:
+            raise ValueError(f"{name} is another library's option, not transformers': {instead}")
+    known = GenerationConfig().to_dict()
+    unknown = sorted(k for k in fields if k not in known)
+    if unknown:
+        raise TypeError(f"unexpected keyword argument {unknown[0]!r}: not an option of treespec.generate "
+                        f"nor a field of transformers' GenerationConfig")
+    return _checked(model, GenerationConfig(**fields))
+
+
+def _checked(model, cfg: GenerationConfig) -> GenerationConfig:
     defaults = model.generation_config._get_default_generation_params()
     for name, why in UNSUPPORTED.items():
         value = getattr(cfg, name, None)
@@ -149,3 +177,41 @@ def gumbel_noise(seed: int, positions: Sequence[int], vocab: int) -> torch.Tenso
         out[i].uniform_(generator=g)
     # u in [0, 1): u = 0 gives -inf noise, a token that is never chosen (probability 2^-24 per entry).
     return -torch.log(-torch.log(out))
+
+
+@dataclass
+class RequestDecoding:
+    """How one request turns the target's logits into tokens: its processors, and, when it
+    samples, the seed of its Gumbel noise.
+
+    Attributes:
+        processor: the request's processors (warpers included when it samples).
+        seed:      None: greedy (the argmax of the processed logits); else the seed of the
+                   noise that makes each position's choice a sample.
+    """
+
+    processor: NodeProcessor
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.seed is None
+
+    def choose(self, history: torch.Tensor, logits: torch.Tensor, tree: Tree | None = None) -> torch.Tensor:
+        """int64 ``[n]``: the target's token after each node (after the history alone when
+        ``tree`` is None, ``logits`` then ``[1, V]``): its argmax, or its sample at that position.
+
+        Args:
+            history: int64 ``[L]``, the committed tokens (the tree's root last).
+            logits:  ``[n, V]``, the target's logits at each node.
+        """
+        if self.greedy and not self.processor:
+            return logits.argmax(-1)  # in the logits' own dtype: widening to fp32 would pick the same
+        scores = self.processor(history, logits, tree)
+        if not self.greedy:
+            # A node at depth d chooses the token at position L + d, whatever tree it is in.
+            depth = tree.depth if tree is not None else torch.zeros(1, dtype=torch.int64)
+            D = int(depth.max())
+            noise = gumbel_noise(self.seed, range(len(history), len(history) + D + 1), scores.shape[-1])
+            scores = scores + noise.to(scores.device)[depth.to(scores.device)]
+        return scores.argmax(-1)

@@ -1,9 +1,8 @@
-"""Sampling parameters and the processed target distribution.
+"""The sampling arguments of ``treespec.generate`` (temperature, top-k, top-p, min-p), checked.
 
-The verifier applies the same processing at every tree node that plain sampling applies
-at every step, in transformers' order (temperature, top-k, top-p, min-p), using
-transformers' own warpers so that "the distribution of ``model.generate``" means exactly
-that.
+They become transformers' own warpers, in transformers' order, through a GenerationConfig
+(treespec.processing), so that "the distribution of ``model.generate``" means exactly that;
+:meth:`SamplingParams.probs` gives the processed distribution for tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -19,20 +18,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-__all__ = ["SamplingParams", "UNSUPPORTED_OPTIONS"]
-
-# Options of transformers' GenerationConfig that change the distribution. treespec refuses
-# them instead of silently ignoring them (each would need its own lossless treatment).
-UNSUPPORTED_OPTIONS = (
-    "repetition_penalty", "frequency_penalty", "presence_penalty", "no_repeat_ngram_size",
-    "logit_bias", "sequence_bias", "bad_words_ids", "typical_p", "epsilon_cutoff",
-    "eta_cutoff", "top_h", "num_beams", "num_return_sequences", "logits_processor",
-    "min_new_tokens", "min_length", "suppress_tokens", "begin_suppress_tokens",
-    "forced_bos_token_id", "forced_eos_token_id", "guidance_scale", "renormalize_logits",
-    "encoder_repetition_penalty", "exponential_decay_length_penalty", "diversity_penalty",
-    "watermarking_config", "do_sample", "attention_mask",
-)
-
+__all__ = ["SamplingParams"]
 
 @dataclass(frozen=True)
 class SamplingParams:
