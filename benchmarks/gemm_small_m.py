@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from treespec.bench import machine_info  # noqa: E402
+from treespec.machine import machine_info  # noqa: E402
 
 
 def median_us(fn, repeats=300) -> float:

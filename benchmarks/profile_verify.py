@@ -36,7 +36,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
 from treespec import attention  # noqa: E402
-from treespec.bench import machine_info  # noqa: E402
+from treespec.machine import machine_info  # noqa: E402
 from treespec.kv_cache import PagedKVCache  # noqa: E402
 from treespec.mask import causal_mask  # noqa: E402
 from treespec.models import load  # noqa: E402

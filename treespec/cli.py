@@ -214,7 +214,7 @@ def _sampling(args):
 
 
 def _prompt_ids(tokenizer, args, model_name: str) -> list[int]:
-    from .bench import encode_prompt
+    from .prompts import encode_prompt
 
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if args.prompt is not None:
@@ -520,7 +520,8 @@ def _bench(args):
     _check_early(args)  # before the imports below, which take seconds
     from tqdm import tqdm
 
-    from .bench import BenchConfig, dataset_file, format_table, load_prompts, run_bench, save_plots, to_json
+    from .bench import BenchConfig, format_table, run_bench, save_plots, to_json
+    from .prompts import dataset_file, load_prompts
 
     sp = _sampling(args)
     if args.num_prompts < 1:
@@ -988,7 +989,8 @@ def _add_tune(sub):
 
 def _tune(args):
     _check_early(args)  # before the imports below, which take seconds
-    from .bench import dataset_file, load_prompts, machine_info
+    from .machine import machine_info
+    from .prompts import dataset_file, load_prompts
     from .tune import save_tune_plots, tune
 
     sp = _sampling(args)
