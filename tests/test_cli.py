@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from treespec import cli, models
+from treespec.assets import DRAFTS
 from treespec.cli.bench import bench_pairs as _bench_pairs
 from treespec.cli.common import portable as _portable
 from treespec.drafters import RecordingDrafter
 from treespec.text import TextStream
-from treespec.assets import DRAFTS
 
 from tiny import save_tiny_lm, tiny_model
 
