@@ -76,7 +76,7 @@ def machine_line(*what: object, threads: bool = True) -> str:
     script that varies it prints it per row) and the CPU: the first line of a printed table."""
     import torch
 
-    from treespec.bench import machine_info
+    from treespec.machine import machine_info
 
     parts = [*map(str, what), f"torch {torch.__version__}"]
     if threads:

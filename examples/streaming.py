@@ -8,17 +8,17 @@ import sys
 
 import treespec
 from treespec.models import load
+from treespec.text import TextStream
 
 model, tok = load("smollm2-135m-instruct")
 draft = treespec.load_draft("smollm2-135m-instruct-eagle", model)
 ids = tok.apply_chat_template([{"role": "user", "content": "Give three tips for learning to cook."}],
                               add_generation_prompt=True)
-generated, shown = [], ""
+# TextStream decodes all ids so far each step, so a character split across tokens is
+# written once it is whole, never as a replacement-character half.
+text = TextStream(tok, sys.stdout)
 for step in treespec.stream(model, draft, "chain-2", ids, max_new_tokens=128, temperature=0.7, seed=0):
-    generated += step.tokens[0]
-    text = tok.decode(generated, skip_special_tokens=True)
-    sys.stdout.write(text[len(shown):])
-    sys.stdout.flush()
-    shown = text
+    text.push(step.tokens[0])
+text.push([], final=True)
 m = step.metrics
 print(f"\n[{m.num_generated} tokens, {m.num_steps} steps, mean accepted length {m.mean_accepted_length:.2f}]")

@@ -45,7 +45,7 @@ import torch  # noqa: E402
 
 import treespec  # noqa: E402
 from treespec import runner as ts_runner  # noqa: E402
-from treespec.bench import encode_prompt  # noqa: E402
+from treespec.prompts import encode_prompt  # noqa: E402
 from treespec.data import load_dataset  # noqa: E402
 from treespec.kv_cache import PagedKVCache  # noqa: E402
 from treespec.models import load  # noqa: E402

@@ -15,6 +15,10 @@ import torch
 
 from treespec import cli, models
 from treespec.assets import DRAFTS
+from treespec.cli.bench import bench_pairs as _bench_pairs
+from treespec.cli.common import portable as _portable
+from treespec.drafters import RecordingDrafter
+from treespec.text import TextStream
 
 from tiny import save_tiny_lm, tiny_model
 
@@ -147,7 +151,7 @@ def test_bench_user_errors(capsys, flags, expect):
 
 
 def bench_pairs(*argv):
-    return cli._bench_pairs(cli.build_parser().parse_args(["bench", *argv]))
+    return _bench_pairs(cli.build_parser().parse_args(["bench", *argv]))
 
 
 def test_bench_default_configs_are_the_fastest_measured():
@@ -158,7 +162,7 @@ def test_bench_default_configs_are_the_fastest_measured():
     assert bench_pairs() == [(hybrid, "auto"), (hybrid, "chain-3"), (SHIPPED, "auto")]
     args = cli.build_parser().parse_args(["generate"])
     assert (args.draft, args.tree) == (hybrid, "auto")
-    readme = (Path(cli.__file__).parents[1] / "README.md").read_text()
+    readme = (Path(cli.__file__).parents[2] / "README.md").read_text()
     assert f"--config {hybrid}@auto" in readme  # the recommendation
 
 
@@ -186,11 +190,11 @@ def test_recorded_paths_are_portable(monkeypatch, tmp_path):
     (tmp_path / "work").mkdir()
     monkeypatch.chdir(tmp_path / "work")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert cli._portable(str(tmp_path / "work" / "results" / "r.json")) == "results/r.json"
-    assert cli._portable(f"--out={tmp_path / 'work' / 'r.json'}") == "--out=r.json"
-    assert cli._portable(str(tmp_path / "home" / "d.jsonl")) == "~/d.jsonl"
-    assert cli._portable("/elsewhere/d.jsonl") == "/elsewhere/d.jsonl"
-    assert cli._portable("--num-prompts") == "--num-prompts" and cli._portable("gsm8k") == "gsm8k"
+    assert _portable(str(tmp_path / "work" / "results" / "r.json")) == "results/r.json"
+    assert _portable(f"--out={tmp_path / 'work' / 'r.json'}") == "--out=r.json"
+    assert _portable(str(tmp_path / "home" / "d.jsonl")) == "~/d.jsonl"
+    assert _portable("/elsewhere/d.jsonl") == "/elsewhere/d.jsonl"
+    assert _portable("--num-prompts") == "--num-prompts" and _portable("gsm8k") == "gsm8k"
 
 
 def test_text_stream_waits_for_whole_characters(lm):
@@ -200,7 +204,7 @@ def test_text_stream_waits_for_whole_characters(lm):
     _, tok = lm
     ids = tok("Zoë 🐶 ok", add_special_tokens=False)["input_ids"]
     buf = io.StringIO()
-    s = cli._TextStream(tok, buf)
+    s = TextStream(tok, buf)
     for t in ids:
         s.push([t])
         assert "\ufffd" not in buf.getvalue()
@@ -381,20 +385,68 @@ def test_tree_show_prompt_highlights_the_accepted_path(capsys, tmp_path, lm_dir)
 def test_tree_show_with_lookup_grafted(capsys, tmp_path, lm_dir):
     """A hybrid's tree is drawn as the engine verified it: the lookup's nodes on top of the
     preset's budget (the recording wrapper keeps ``extra_nodes``)."""
-    from treespec.cli import _recording
     from treespec.drafters import Drafter, HybridDrafter
 
     class Fake(Drafter):  # a bare drafter standing in for a model drafter
         def start(self, model, ctx):
             raise AssertionError
 
-    assert _recording(HybridDrafter(Fake())).extra_nodes == 10
+    assert RecordingDrafter(HybridDrafter(Fake())).extra_nodes == 10
     png = tmp_path / "h.png"
     rc, out, err = run(capsys, "tree", "show", "cpu", "--prompt", "Once upon a time, once upon a time, once upon a",
                        "--model", lm_dir, "--draft", f"model:{lm_dir}+lookup", "--out", str(png))
     assert rc == 0, err
     assert png.read_bytes()[:8] == PNG
     assert 16 <= int(re.search(r"\((\d+) drafted nodes", out).group(1)) <= 16 + 10
+
+
+def test_recording_drafter_carries_the_calibration():
+    """tree show --prompt wraps the drafter to see its trees; an auto tree must still start
+    from the drafter's own calibration (its head's auto-profile.json), not the prior: the
+    command line's former copy of the wrapper dropped it."""
+    import numpy as np
+
+    from treespec.auto import AutoProfile
+    from treespec.drafters import Drafter
+
+    learnt = AutoProfile()
+    learnt.greedy.observe(np.full(50, -0.1), np.zeros(50, dtype=bool))  # never accepted at a high score
+
+    class Head(Drafter):
+        auto_calibration = learnt
+
+        def start(self, model, ctx):
+            raise AssertionError
+
+    start = AutoProfile.starting(RecordingDrafter(Head()))
+    assert start.greedy.num_observed == 50
+    assert start.greedy(np.array([-0.1]))[0] < AutoProfile().greedy(np.array([-0.1]))[0]
+
+
+def test_tree_show_honours_the_runtime_flags(capsys, tmp_path, lm_dir):
+    """--device, --dtype and --pack were accepted and ignored by tree show; they are honoured
+    now, with the defaults it always drew with (cpu, float32, plain weights)."""
+    args = cli.build_parser().parse_args(["tree", "show", "cpu", "--out", "x.png"])
+    assert (args.device, args.dtype, args.pack) == ("cpu", "float32", False)
+    png = tmp_path / "b.png"
+    rc, out, err = run(capsys, "tree", "show", "cpu", "--prompt", "Once upon a time", "--model", lm_dir,
+                       "--draft", f"model:{lm_dir}", "--dtype", "bfloat16", "--out", str(png))
+    assert rc == 0, err
+    assert png.read_bytes()[:8] == PNG
+    if not torch.cuda.is_available():
+        rc, _, err = run(capsys, "tree", "show", "cpu", "--prompt", "Once upon a time", "--model", lm_dir,
+                         "--draft", "ngram", "--device", "cuda", "--out", str(tmp_path / "c.png"))
+        assert rc == 2
+        assert "no CUDA GPU" in error_line(err)
+
+
+def test_text_stream_returns_pieces_without_an_output(lm):
+    _, tok = lm
+    ids = tok("Zoë ok", add_special_tokens=False)["input_ids"]
+    s = TextStream(tok)
+    pieces = [s.push([t]) for t in ids] + [s.push([], final=True)]
+    assert "".join(pieces) == s.text == tok.decode(ids, skip_special_tokens=True)
+    assert all("\ufffd" not in p for p in pieces)
 
 
 def test_bench_bf16_where_onednn_cannot_pack_it(capsys, caplog, monkeypatch, tmp_path, tiny_dataset, lm_dir):

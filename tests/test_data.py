@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from treespec import data
-from treespec.bench import DATASETS as BENCH_DATASETS
-from treespec.bench import dataset_file
+from treespec.prompts import PROMPT_SETS as BENCH_DATASETS
+from treespec.prompts import dataset_file
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,8 +1,8 @@
 """Side-by-side benchmark: transformers' ``generate``, its prompt lookup, and treespec.
 
-    prompts = load_prompts("gsm8k", tokenizer, num_prompts=50)
+    prompts, _ = load_prompts("gsm8k", tokenizer, num_prompts=50)   # treespec.prompts
     result = run_bench(model, prompts, configs, max_new_tokens=256)
-    print(format_table(result))
+    print(format_table(to_json(result)))
 
 Every configuration runs on prompt i before any runs on prompt i+1, so drift in machine
 load (another job, thermal throttling) spreads over all of them alike. Times are wall
@@ -22,10 +22,8 @@ This module never prints: progress goes to ``callback``, details to ``logging``.
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
-import os
-import platform
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -34,21 +32,15 @@ from typing import Callable, Sequence
 
 import torch
 
-import contextlib
-
 from .config import TreeConfig
 from .divergence import NEAR_TIE_TOLERANCE, Divergence, classify_divergence, fp32_reference
-from .data import dataset_path
-from .data import read_jsonl as _read_jsonl
 from .drafters.base import Drafter
 from .engine import generate as ts_generate
+from .machine import machine_info
 from .sampling import SamplingParams
 
-__all__ = [
-    "BenchConfig", "BenchResult", "ConfigResult", "Progress", "DATASETS", "dataset_file", "load_prompts",
-    "encode_prompt",
-    "run_bench", "format_table", "to_json", "save_plots", "machine_info",
-]
+__all__ = ["BenchConfig", "BenchResult", "ConfigResult", "BenchProgress", "run_bench", "format_table", "to_json",
+           "save_plots"]
 
 log = logging.getLogger(__name__)
 
@@ -56,17 +48,6 @@ HF_GENERATE = "hf-generate"
 HF_LOOKUP = "hf-prompt-lookup"
 TREESPEC = "treespec"
 TREESPEC_AR = "treespec-ar"
-
-#: built-in datasets: name -> (packaged dataset in treespec.data, prompt field, chat instruction)
-DATASETS = {
-    "gsm8k": ("gsm8k-test", "question", "{text}"),
-    "humaneval": (
-        "humaneval", "prompt",
-        "Complete the following Python function. Reply with the whole function in one "
-        "Python code block.\n\n```python\n{text}```",
-    ),
-    "chat": ("chat-eval", "prompt", "{text}"),  # held out from chat-train (treespec/train/prompts.py)
-}
 
 
 # ---- configurations ---------------------------------------------------------------------
@@ -145,69 +126,11 @@ class BenchConfig:
         return self.kind == HF_LOOKUP or (self.kind == TREESPEC and not isinstance(self.drafter, NoDrafter))
 
 
-# ---- prompts ----------------------------------------------------------------------------
-
-
-def dataset_file(dataset: str) -> tuple[Path, str, str]:
-    """``(file, default prompt field, chat instruction)`` of a dataset name or path."""
-    if dataset in DATASETS:
-        name, fld, instruction = DATASETS[dataset]
-        return dataset_path(name), fld, instruction
-    path = Path(dataset).expanduser()
-    if path.suffix in (".jsonl", ".gz") or path.exists():
-        if not path.is_file():
-            raise FileNotFoundError(f"no dataset file at {dataset}")
-        return path, "prompt", "{text}"
-    raise ValueError(f"unknown dataset {dataset!r}: use {', '.join(DATASETS)} or a .jsonl file")
-
-
-def load_prompts(dataset: str, tokenizer, num_prompts: int | None = None, *, prompt_field: str | None = None,
-                 raw: bool = False) -> tuple[list[list[int]], str]:
-    """The first ``num_prompts`` prompts of ``dataset`` as token ids, and their format.
-
-    ``dataset`` is ``"gsm8k"`` (GSM8K test, packaged in :mod:`treespec.data`, field ``question``),
-    ``"humaneval"`` (HumanEval, packaged, field ``prompt``, asked as a chat
-    message to complete the function) or a JSONL file (field ``prompt_field``, default
-    ``prompt``). Prompts go through the tokenizer's chat template as one user message,
-    unless ``raw`` or the tokenizer has none (then the text is used as is, format
-    ``"raw"``; a warning is logged for the latter).
-    """
-    if num_prompts is not None and num_prompts < 1:
-        raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
-    path, default_field, instruction = dataset_file(dataset)
-    fld = prompt_field or default_field
-    rows = _read_jsonl(path, num_prompts)
-    if not rows:
-        raise ValueError(f"{path} holds no prompts")
-    texts = []
-    for n, row in enumerate(rows):
-        text = row.get(fld)
-        if not isinstance(text, str):
-            raise ValueError(f"{path} record {n} has no string field {fld!r} (fields: {', '.join(row)}); "
-                             f"choose one with --prompt-field")
-        texts.append(text)
-    chat = not raw and bool(getattr(tokenizer, "chat_template", None))
-    if not raw and not chat:
-        log.warning("the tokenizer has no chat template: using the %s prompts as plain text", dataset)
-    out = [encode_prompt(tokenizer, instruction.format(text=t) if chat else t, chat) for t in texts]
-    return out, "chat" if chat else "raw"
-
-
-def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
-    """Token ids of ``text``: as one user chat message with the generation prompt, or as
-    plain text (the tokenizer's special tokens, e.g. BOS, added)."""
-    if chat:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return list(tokenizer(text)["input_ids"])
-
-
 # ---- running ----------------------------------------------------------------------------
 
 
 @dataclass
-class Progress:
+class BenchProgress:
     """``stage`` is ``"warmup"`` or ``"prompts"``; ``done`` of ``total`` finished."""
 
     stage: str
@@ -341,7 +264,7 @@ def run_bench(
     seed: int | None = 0,
     warmup: bool = True,
     attention_backend: str = "auto",
-    callback: Callable[[Progress], None] | None = None,
+    callback: Callable[[BenchProgress], None] | None = None,
     fast_path=None,
     near_tie_tolerance: float | None = None,
     auto_profile=None,
@@ -408,13 +331,13 @@ def run_bench(
             _run_one(model, r.config, short, min(16, max_new_tokens), sp, seed, attention_backend, fast_path,
                      profiles.get(r.config.name))
             if callback:
-                callback(Progress("warmup", i + 1, len(active), r.config.name))
+                callback(BenchProgress("warmup", i + 1, len(active), r.config.name))
 
     for i, prompt in enumerate(prompts):
         s = None if seed is None else seed + i
         for r in active:
             if callback:
-                callback(Progress("prompts", i, len(prompts), r.config.name))
+                callback(BenchProgress("prompts", i, len(prompts), r.config.name))
             rec = _run_one(model, r.config, list(prompt), max_new_tokens, sp, s, attention_backend, fast_path,
                            profiles.get(r.config.name))
             r.runs.append(rec)
@@ -432,7 +355,7 @@ def run_bench(
                                 "tolerance %.3g)", r.config.name, i, d.position,
                                 "near-tie" if d.near_tie else "UNEXPLAINED", d.fp32_shortfall, tolerance)
         if callback:
-            callback(Progress("prompts", i + 1, len(prompts), None))
+            callback(BenchProgress("prompts", i + 1, len(prompts), None))
     return BenchResult([len(p) for p in prompts], results, sp, max_new_tokens, seed, notes,
                        dtype=str(dtype).removeprefix("torch."),
                        fast_path=getattr(fast_path, "description", None) if fast_path is not None else None)
@@ -511,25 +434,6 @@ def _prompt_figures(res: BenchResult) -> list[dict]:
             per[r.config.name] = e
         out.append({"index": i, "prompt_tokens": n, "results": per})
     return out
-
-
-def machine_info() -> dict:
-    import transformers
-
-    from . import __version__
-
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {
-        "platform": platform.platform(), "machine": platform.machine(), "cpu": cpu,
-        "cpu_count": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(), "transformers": transformers.__version__,
-        "treespec": __version__, "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-    }
 
 
 def to_json(res: BenchResult, **extra) -> dict:

@@ -26,7 +26,7 @@ import torch  # noqa: E402
 
 from benchmarks.timing import Timer, command, machine_line, median_ms  # noqa: E402
 from treespec import attention  # noqa: E402
-from treespec.bench import machine_info  # noqa: E402
+from treespec.machine import machine_info  # noqa: E402
 from treespec.mask import causal_mask  # noqa: E402
 from treespec.models import load  # noqa: E402
 from treespec.packing import PackedLinears  # noqa: E402

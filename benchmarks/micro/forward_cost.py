@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))  # the checkout's treespec and benchmarks.timing
 import torch  # noqa: E402
 
 from benchmarks.timing import Timer, command, machine_line  # noqa: E402
-from treespec.bench import machine_info  # noqa: E402
+from treespec.machine import machine_info  # noqa: E402
 from treespec.mask import causal_mask  # noqa: E402
 from treespec.models import load  # noqa: E402
 from treespec.packing import PackedLinears  # noqa: E402

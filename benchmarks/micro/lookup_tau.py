@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 import treespec
-from treespec.bench import load_prompts
+from treespec.prompts import load_prompts
 from treespec.drafters import NgramDrafter, load_draft
 from treespec.models import load
 

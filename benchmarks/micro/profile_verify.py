@@ -35,7 +35,7 @@ from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E
 
 from benchmarks.timing import command, machine_line, median_ms  # noqa: E402
 from treespec import attention  # noqa: E402
-from treespec.bench import machine_info  # noqa: E402
+from treespec.machine import machine_info  # noqa: E402
 from treespec.kv_cache import PagedKVCache  # noqa: E402
 from treespec.mask import causal_mask  # noqa: E402
 from treespec.models import load  # noqa: E402

@@ -199,7 +199,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
     from treespec import models
-    from treespec.bench import load_prompts
+    from treespec.prompts import load_prompts
 
     if args.threads:
         torch.set_num_threads(args.threads)

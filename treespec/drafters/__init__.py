@@ -6,5 +6,6 @@ from .ngram import NgramDrafter
 from .none import NoDrafter
 from .eagle import Eagle3Drafter, EagleDrafter, EagleHead, load_draft
 from .hybrid import HybridDrafter
+from .recording import RecordingDrafter
 
-__all__ = ["Drafter", "DraftSession", "DraftStart", "ModelDrafter", "NgramDrafter", "NoDrafter", "EagleDrafter", "Eagle3Drafter", "EagleHead", "HybridDrafter", "load_draft"]
+__all__ = ["Drafter", "DraftSession", "DraftStart", "ModelDrafter", "NgramDrafter", "NoDrafter", "EagleDrafter", "Eagle3Drafter", "EagleHead", "HybridDrafter", "RecordingDrafter", "load_draft"]

@@ -1,0 +1,106 @@
+"""The ``treespec`` command line.
+
+    treespec generate [--model M] [--draft D] [--tree T] [--prompt TEXT | --chat TEXT] ...
+    treespec bench [--dataset gsm8k] [--draft D ...] [--tree T ...] [--out results.json] ...
+    treespec tree show PRESET|TREE.json [--prompt TEXT --model M --draft D] --out tree.png
+    treespec train-eagle --data DATA.jsonl --out DIR ...
+    treespec capture --data NAME[,NAME...] --out DIR [--max-examples N] [--sample-share 0.2] ...
+    treespec export --to vllm|sglang|eagle [--draft D] [--tree T] [--model M]
+    treespec tune [--model M] [--draft D] [--dataset gsm8k] --out PROFILE.json [--plot-dir DIR]
+
+A draft ``D`` is a shipped head name (``treespec.assets.DRAFTS``), an EAGLE head directory,
+``ngram`` (prompt lookup, no model), ``layers:K`` (the target's first K layers),
+``model:NAME_OR_PATH`` (an independent small LM) or ``none`` (no speculation: one token per
+target forward through treespec's runner); a model drafter with ``+lookup`` appended also
+grafts prompt lookup onto its trees. A tree ``T`` is a preset name (``treespec.PRESETS``),
+``chain-K`` or a JSON file: a list of child-rank paths (``[[0], [1], [0, 0]]``),
+``{"paths": [...]}`` or ``{"depth": 5, "top_k": 4, "num_nodes": 16}`` for a dynamic tree.
+
+One module per subcommand, named in :data:`COMMANDS` with its one-line help; each has
+``add_arguments(parser)`` and ``run(args)``. A command's module is imported only once the
+command is chosen, and imports torch, transformers and the models only inside ``run``, so
+``--help`` and usage errors answer before any of them load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+__all__ = ["main", "build_parser", "COMMANDS"]
+
+#: command -> its one-line help, in the order ``treespec --help`` lists them; the arguments
+#: are declared by the module ``treespec.cli.<command, "-" as "_">``
+COMMANDS = {
+    "generate": "generate text with tree speculation, streamed to stdout",
+    "bench": "benchmark HF generate, HF prompt lookup and treespec side by side",
+    "tree": "look at tree shapes",
+    "train-eagle": "train an EAGLE draft head for a target model",
+    "capture": "capture the target's own answers and features in resumable shards, for train-eagle",
+    "export": "print how to serve an EAGLE-3 head with vLLM, SGLang or the EAGLE reference",
+    "tune": "learn an auto-tree profile (cost curve, calibration) for a model/draft pair",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors as one line (``treespec: error: ...``), exit code 2."""
+
+    def error(self, message):
+        self.exit(2, f"treespec: error: {message} (see {self.prog} --help)\n")
+
+
+class _LazyCommands(argparse._SubParsersAction):
+    """Subcommands whose arguments their module declares when the command is chosen: the
+    top-level ``--help`` needs only the table's help lines."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        sub = self._name_parser_map.get(values[0])
+        if sub is not None and not sub.get_default("func"):
+            module = importlib.import_module(f"{__name__}.{values[0].replace('-', '_')}")
+            module.add_arguments(sub)
+            sub.set_defaults(func=module.run)
+        super().__call__(parser, namespace, values, option_string)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="treespec", description="tree-attention speculative decoding")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    sub = parser.add_subparsers(dest="command", required=True, action=_LazyCommands)
+    for name, help in COMMANDS.items():
+        sub.add_parser(name, help=help)
+    return parser
+
+
+def main(argv=None) -> int:
+    """Run one ``treespec`` command; Ctrl-C at any moment (parsing, imports, loading,
+    generating) exits 130 with one line."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        if argv is None:  # the process exits next: a second Ctrl-C must not print a traceback
+            import signal
+
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        print("treespec: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv) -> int:
+    from .common import UserError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2, already printed as one line)
+        return e.code if isinstance(e.code, int) else 0
+    args.argv = argv
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args) or 0
+    except (UserError, FileNotFoundError, ValueError) as e:
+        print(f"treespec: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,152 @@
+"""``treespec bench``: HF generate, HF prompt lookup and treespec configurations side by side
+on the same prompts, as a table, JSON and plots (the figures in docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from .common import (DEFAULT_DRAFT, DEFAULT_SPEC, DEFAULT_TREE, Bars, UserError, add_auto_profile, add_dataset,
+                     add_model, add_runtime, add_sampling, auto_profile, log, portable)
+
+# The configurations run when none is asked for: generate's default (the hybrid with auto
+# trees), the hybrid's chain-3 and the head alone with auto, the three to compare on a new
+# machine (docs/benchmarks.md has what they measured).
+DEFAULT_BENCH_CONFIGS = (f"{DEFAULT_SPEC}@auto", f"{DEFAULT_SPEC}@chain-3", f"{DEFAULT_DRAFT}@auto")
+
+
+def add_arguments(p):
+    p.description = (
+        "Run HF generate, HF prompt lookup and treespec configurations side by side on the same prompts (all "
+        "configurations on prompt i before prompt i+1). Greedy outputs are checked token for token against HF "
+        "generate; a difference is judged in fp32 at its first token (a rounding near-tie, possible in bf16, or "
+        "unexplained) and an unexplained treespec difference exits with status 1. With packed weights (--pack, the "
+        "CPU default) HF generate and treespec without speculation (treespec-ar) also run on the packed weights.")
+    add_model(p)
+    p.add_argument("--draft", action="append", default=None,
+                   help="draft to run (repeatable): a shipped head name, head directory, 'ngram' or "
+                        f"'model:NAME', with '+lookup' grafting prompt lookup onto a model drafter's trees "
+                        f"(default: {DEFAULT_SPEC})")
+    p.add_argument("--tree", action="append", default=None,
+                   help=f"tree to run with each draft (repeatable): preset or JSON file (default: {DEFAULT_TREE})")
+    p.add_argument("--chain", type=int, default=None, metavar="K",
+                   help="also run each draft with a chain of K (default: 3 for ngram, 2 for others; 0: none)")
+    p.add_argument("--config", action="append", default=None, metavar="DRAFT@TREE",
+                   help="run exactly these draft/tree pairs instead of --draft x (chain + --tree) (repeatable). "
+                        "With none of --config, --draft, --tree, --chain: "
+                        + ", ".join(DEFAULT_BENCH_CONFIGS) + " (the fastest on a 2-core CPU, docs/benchmarks.md)")
+    p.add_argument("--lookup-tokens", type=int, default=3, metavar="K",
+                   help="HF prompt lookup's prompt_lookup_num_tokens (default: %(default)s, as ngram's chain-3)")
+    p.add_argument("--no-hf-lookup", action="store_true", help="skip HF prompt lookup")
+    p.add_argument("--no-treespec-ar", action="store_true",
+                   help="skip the treespec-ar baseline (treespec without a draft on packed weights); "
+                        "HF generate on packed weights stays the same-advantage baseline")
+    p.add_argument("--hf-compile", action="store_true",
+                   help="also run HF generate with a static cache and torch.compile (compiles for a minute or more "
+                        "first; on the CPUs measured it was slower than plain HF generate, docs/benchmarks.md)")
+    add_dataset(p)
+    add_sampling(p, seed=0)
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="one untimed generate per configuration first (default: on)")
+    add_runtime(p)
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--plot-dir", default=None, help="write PNG plots into this folder")
+    p.add_argument("--plot-prefix", default=None,
+                   help="file name prefix of the PNGs (default: the --out file's name and '-', e.g. r- for r.json; "
+                        "else bench-)")
+    add_auto_profile(p)
+
+
+def bench_pairs(args) -> list[tuple[str, str]]:
+    """The treespec (draft spec, tree spec) pairs to run, in order."""
+    if args.config:
+        if args.draft or args.tree or args.chain is not None:
+            raise UserError("--config gives the exact draft/tree pairs: drop --draft, --tree and --chain")
+        pairs = []
+        for c in args.config:
+            draft, sep, tree = c.rpartition("@")
+            if not sep or not draft or not tree:
+                raise UserError(f"--config {c!r} must look like DRAFT@TREE, e.g. ngram@chain-3")
+            pairs.append((draft, tree))
+        return pairs
+    if not (args.draft or args.tree or args.chain is not None):
+        return [tuple(c.rsplit("@", 1)) for c in DEFAULT_BENCH_CONFIGS]
+    drafts = args.draft or [DEFAULT_SPEC]
+    trees = args.tree or [DEFAULT_TREE]
+    pairs = []
+    for d in drafts:
+        k = args.chain if args.chain is not None else (3 if d == "ngram" else 2)
+        if k < 0:
+            raise UserError(f"--chain must be >= 0, got {k}")
+        for t in ([f"chain-{k}"] if k else []) + trees:
+            if (d, t) not in pairs:
+                pairs.append((d, t))
+    return pairs
+
+
+def run(args):
+    from ..prompts import dataset_file, load_prompts
+    from .loading import check, load
+
+    pairs = bench_pairs(args)
+    sp, trees = check(args, [t for _, t in pairs], [d for d, _ in pairs],
+                      then=[lambda: dataset_file(args.dataset)])  # missing data fails before the model loads
+    profile = auto_profile(args)
+    if profile is not None and not any(cfg.auto for cfg, _ in trees.values()):
+        log.warning("--auto-profile is for auto trees: none of the configurations uses it")
+
+    from ..bench import BenchConfig, format_table, run_bench, save_plots, to_json
+
+    loaded = load(args, [d for d, _ in pairs], prompts=lambda tok: load_prompts(
+        args.dataset, tok, args.num_prompts, prompt_field=args.prompt_field, raw=args.raw))
+    prompts, fmt = loaded.prompts
+    configs = [BenchConfig.hf_generate()]
+    if loaded.fast is not None:
+        # The same advantage without speculation: HF generate and treespec's own
+        # one-token decoding, both on the packed weights.
+        configs += [BenchConfig.hf_generate(fast=True)] + ([] if args.no_treespec_ar else [BenchConfig.treespec_ar()])
+    if args.hf_compile:
+        configs.append(BenchConfig.hf_generate_compiled())
+    if not args.no_hf_lookup:
+        configs.append(BenchConfig.hf_lookup(args.lookup_tokens))
+    for d, t in pairs:
+        drafter, dname = loaded.drafters[d]
+        cfg, tname = trees[t]
+        configs.append(BenchConfig.treespec(drafter, cfg, dname, tname))
+
+    bars = Bars(lambda stage: "prompt" if stage == "prompts" else "config", leave=lambda stage: stage == "prompts",
+                postfix=lambda p: p.config)
+    res = run_bench(loaded.model, prompts, configs, max_new_tokens=args.max_new_tokens, temperature=sp.temperature,
+                    top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p, seed=args.seed, warmup=args.warmup,
+                    attention_backend=args.backend, callback=bars, fast_path=loaded.fast, auto_profile=profile)
+    bars.close()
+    data = to_json(res, command="treespec " + shlex.join(portable(a) for a in args.argv), model=args.model,
+                   dataset=portable(args.dataset), prompt_format=fmt)
+    report = "\n".join([
+        f"{args.model} on {data['dataset']} ({fmt} prompts): {len(prompts)} prompt(s), {args.max_new_tokens} new tokens, "
+        + ("greedy" if sp.greedy else f"temperature {sp.temperature}")
+        + "; tok/s: total tokens / total seconds, med: median over prompts, tau: mean accepted length",
+        format_table(data),
+        *(f"note: {note}" for note in data["notes"]),
+    ]) + "\n"
+    sys.stdout.write(report)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(data, indent=2) + "\n")
+        # The table as printed, beside the JSON: a clean text record (no progress bars).
+        out.with_suffix(".txt").write_text(f"$ {data['command']}\n{report}")
+        print(f"wrote {out} and {out.with_suffix('.txt').name}")
+    if args.plot_dir:
+        prefix = args.plot_prefix if args.plot_prefix is not None else f"{Path(args.out).stem}-" if args.out else "bench-"
+        for path in save_plots(data, args.plot_dir, prefix):
+            print(f"wrote {path}")
+    bad = [c for c in data["configs"] if c["kind"] == "treespec" and c.get("unexplained")]
+    if bad:
+        print("treespec: error: greedy output differs from HF generate other than at a rounding near-tie: "
+              + "; ".join(f"{c['name']} on {c['unexplained']} prompt(s)" for c in bad), file=sys.stderr)
+        return 1
+    return 0

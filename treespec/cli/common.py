@@ -1,0 +1,240 @@
+"""What the subcommands share and need no model for: defaults, argument groups (each flag
+declared once), the checks that answer before torch loads, one-line errors and the one
+progress adapter between the library's callbacks and the terminal.
+
+Nothing here imports torch at module level: every subcommand module imports this one while
+the parser is built, ``--help`` included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Callable
+
+log = logging.getLogger(__package__)  # "treespec.cli", the name -v and the tests know
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_DRAFT = "smollm2-135m-instruct-eagle"
+# generate's draft and tree when none is asked for: the shipped head with prompt lookup
+# grafted onto its trees, each step's tree chosen from this machine's costs (auto). The
+# fastest pair measured with the head that ships; its figures are in docs/benchmarks.md.
+DEFAULT_SPEC = f"{DEFAULT_DRAFT}+lookup"
+DEFAULT_TREE = "auto"
+# A GSM8K-style word problem (GSM8K train, first record): the shipped head trained on them.
+DEFAULT_CHAT = (
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips "
+    "in May. How many clips did Natalia sell altogether in April and May?"
+)
+MODEL_HELP = "target: a treespec name, HF id or path"
+DRAFT_HELP = ("a shipped head name, an EAGLE head directory, 'ngram', 'layers:K' (the target's first K layers as a "
+              "draft model) or 'model:NAME_OR_PATH'; any model drafter with '+lookup' appended also grafts prompt "
+              "lookup onto its trees")
+
+
+class UserError(Exception):
+    """A mistake the user can fix: printed as one line, no traceback."""
+
+
+# ---- argument groups ---------------------------------------------------------------------
+
+
+def add_model(p, help: str = MODEL_HELP):
+    p.add_argument("--model", default=DEFAULT_MODEL, help=help)
+
+
+def add_prompt_source(p, prompt_help: str, chat_help: str):
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help=prompt_help)
+    src.add_argument("--chat", help=chat_help)
+
+
+def add_dataset(p):
+    p.add_argument("--dataset", default="gsm8k", help="gsm8k, humaneval or a .jsonl file (default: %(default)s)")
+    p.add_argument("--prompt-field", default=None, help="JSONL field holding the prompt (default: question for "
+                   "gsm8k, prompt otherwise)")
+    p.add_argument("--raw", action="store_true", help="use the prompts as plain text, without the chat template")
+    p.add_argument("--num-prompts", type=int, default=10)
+
+
+def add_sampling(p, seed=None):
+    g = p.add_argument_group("sampling (temperature 0: greedy, the default)")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--min-p", type=float, default=None)
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--seed", type=int, default=seed,
+                   help="sampling seed" + (" (prompt i uses seed + i; default: %(default)s)" if seed is not None else ""))
+
+
+def add_runtime(p, *, device: str = "auto", dtype: str = "auto", pack: bool | None = None):
+    """--backend, --threads, --device, --dtype, --pack. ``tree show`` passes cpu, float32 and
+    no packing: what it always drew with, so its defaults stay while the flags are honoured."""
+    def here(value, usual):
+        return "" if value == usual else f" (default here: {value})"
+
+    p.add_argument("--backend", choices=["auto", "torch", "flashinfer"], default="auto",
+                   help="tree attention backend (auto: FlashInfer on CUDA when installed)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: one per physical core available; on a machine whose cores "
+                        "other processes keep busy, fewer is much faster, often 1: see README, Threads)")
+    p.add_argument("--device", default=device, help="where the model runs: auto (cuda when available), cpu, "
+                                                     "cuda or cuda:N" + here(device, "auto"))
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=dtype,
+                   help="weights and activations of the target and draft (probabilities and verification stay "
+                        "fp32). auto: bfloat16 on a GPU or a CPU with native bf16 (AVX512-BF16/AMX), else float32"
+                        + here(dtype, "auto"))
+    p.add_argument("--pack", action=argparse.BooleanOptionalAction, default=pack,
+                   help="run the model's linear layers on oneDNN-packed weights (CPU; about 0.5 s to pack, doubles "
+                        "the linear weights' memory). Default: on for a CPU model whose dtype oneDNN packs here (fp32 "
+                        "always; bf16 with AVX512 or AVX-NE-CONVERT). In bench, HF generate is also run with "
+                        "packed weights, beside plain HF generate" + ("" if pack is None else " (default here: off)"))
+
+
+def add_auto_profile(p):
+    p.add_argument("--auto-profile", default=None, metavar="PROFILE.json",
+                   help="for the auto tree: start from this profile (cost curve and calibration, from treespec tune) "
+                        "instead of the disk-cached cost curve and the draft's own calibration (a head directory's "
+                        "auto-profile.json, else the prior)")
+
+
+# ---- checks that need no model --------------------------------------------------------------
+
+
+def check_early(args):
+    """Checks that need no model and no torch, so that these mistakes answer at once."""
+    for flag, verb in (("prompt", "continue"), ("chat", "answer")):
+        text = getattr(args, flag, None)
+        if text is not None and not text.strip():
+            raise UserError(f"--{flag} is empty: give the text to {verb}")
+    if getattr(args, "max_new_tokens", 1) < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    for flag in ("num_prompts", "lookup_tokens"):
+        if getattr(args, flag, 1) < 1:
+            raise UserError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if getattr(args, "threads", None) is not None and args.threads < 1:
+        raise UserError(f"--threads must be >= 1, got {args.threads}")
+    device = getattr(args, "device", "auto")
+    if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", device):
+        raise UserError(f"--device {device!r}: use auto, cpu, cuda or cuda:N")
+
+
+def sampling(args):
+    """The sampling flags as SamplingParams (after :func:`check_early`), or None for a command
+    without them."""
+    if not hasattr(args, "temperature"):
+        return None
+    from ..sampling import SamplingParams
+
+    try:
+        return SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p)
+    except ValueError as e:
+        raise UserError(f"bad sampling values: {e}") from None
+
+
+def auto_profile(args):
+    """The --auto-profile file as an AutoProfile, or None."""
+    if not getattr(args, "auto_profile", None):
+        return None
+    from ..auto import AutoProfile
+
+    path = Path(args.auto_profile).expanduser()
+    if not path.is_file():
+        raise UserError(f"no auto profile at {args.auto_profile} (write one with treespec tune --out)")
+    try:
+        return AutoProfile.load(path)
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(f"bad auto profile {args.auto_profile}: {e}") from None
+
+
+def prompt_ids(tokenizer, args, model_name: str) -> list[int]:
+    """--prompt as plain text, --chat through the chat template, else the built-in message."""
+    from ..prompts import encode_prompt
+
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if args.prompt is not None:
+        ids = encode_prompt(tokenizer, args.prompt, chat=False)
+        if not ids:
+            raise UserError(f"--prompt {args.prompt!r} encodes to no tokens with {model_name}'s tokenizer")
+        return ids
+    if args.chat is not None:
+        if not has_template:
+            raise UserError(f"{model_name} has no chat template: use --prompt TEXT")
+        return encode_prompt(tokenizer, args.chat, chat=True)
+    if not has_template:
+        log.warning("%s has no chat template: the built-in message is used as plain text", model_name)
+    return encode_prompt(tokenizer, DEFAULT_CHAT, chat=has_template)
+
+
+def portable(arg: str) -> str:
+    """An absolute path as it reads from here (relative under the working folder, ``~`` under
+    home), so that recorded commands hold no machine's folders; other arguments unchanged."""
+    flag, eq, value = arg.partition("=")
+    if eq and flag.startswith("--"):
+        return f"{flag}={portable(value)}"
+    if not os.path.isabs(arg):
+        return arg
+    path, cwd, home = Path(arg), Path.cwd(), Path.home()
+    if path.is_relative_to(cwd):
+        return path.relative_to(cwd).as_posix() or "."
+    if path.is_relative_to(home):
+        return "~/" + path.relative_to(home).as_posix()
+    return arg
+
+
+# ---- progress ----------------------------------------------------------------------------
+
+
+class Bars:
+    """The terminal side of the library's progress callbacks (which never print): one tqdm bar
+    on stderr per ``stage`` of the reports, anything with ``stage``, ``done`` and ``total``.
+
+    unit, leave: the bar's unit and whether it stays once done, each a value or a function of
+                 the stage.
+    postfix:     the text after the bar, from the report.
+    disable:     tqdm's; None hides the bars when stderr is not a terminal, so that a redirected
+                 log stays readable.
+    say:         print each stage's ``message`` on its own line when the stage begins (a
+                 model load: what is fetched or converted, and where).
+    only:        the stages that get a bar (default: all).
+    """
+
+    def __init__(self, unit: str | Callable = "it", *, leave: bool | Callable = True,
+                 postfix: Callable | None = None, disable: bool | None = None, say: bool = False,
+                 only: tuple[str, ...] | None = None):
+        self.unit, self.leave, self.postfix, self.disable = unit, leave, postfix, disable
+        self.say, self.only = say, only
+        self.bars, self.done = {}, set()
+
+    def __call__(self, p):
+        if p.stage in self.done:
+            return
+        bar = self.bars.get(p.stage)
+        if bar is None:
+            if self.say:
+                print(f"treespec: {p.message}", file=sys.stderr, flush=True)
+            if self.only is not None and p.stage not in self.only:
+                self.done.add(p.stage)
+                return
+            from tqdm import tqdm
+
+            unit = self.unit(p.stage) if callable(self.unit) else self.unit
+            leave = self.leave(p.stage) if callable(self.leave) else self.leave
+            bar = self.bars[p.stage] = tqdm(total=p.total, desc=p.stage, unit=unit, unit_scale=unit == "B",
+                                            dynamic_ncols=True, leave=leave, disable=self.disable)
+        bar.total, bar.n = p.total, p.done
+        if self.postfix is not None:
+            bar.set_postfix_str(self.postfix(p) or "", refresh=False)
+        bar.refresh()
+        if p.total is not None and p.done >= p.total:
+            bar.close()
+            self.done.add(p.stage)
+
+    def close(self):
+        for bar in self.bars.values():
+            bar.close()

@@ -1,0 +1,246 @@
+"""The set-up chain generate, bench, tune, capture and tree show run, written once:
+
+    check:  flags -> sampling -> tree specs -> (a dataset file) -> draft specs
+    load:   threads -> target -> (prompts) -> drafters -> packed weights
+
+Every mistake a user can make in a flag answers in ``check``, before seconds of loading;
+``load`` then reads the prompts before any drafter, so a bad prompt field fails before a
+draft model loads. Tree specs (a preset, ``chain-K`` or a JSON file) and draft specs (see
+the package docstring) are read here too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from .common import Bars, UserError, check_early, log, sampling
+
+LOOKUP_SUFFIX = "+lookup"
+
+
+# ---- specs -------------------------------------------------------------------------------
+
+
+def tree(spec: str):
+    """``(TreeConfig, short name)`` of a preset name, ``chain-K`` or a JSON tree file."""
+    from ..config import PRESETS, TreeConfig
+
+    if spec in PRESETS:
+        return PRESETS[spec].config, spec
+    if re.fullmatch(r"chain-[1-9][0-9]*", spec):  # chains longer than the presets' 8
+        return TreeConfig.chain(int(spec[len("chain-"):])), spec
+    path = Path(spec).expanduser()
+    if not (path.suffix.lower() == ".json" or path.exists() or "/" in spec):
+        raise UserError(f"unknown tree preset {spec!r}; known presets: {', '.join(PRESETS)} "
+                        f"(or give a JSON file of paths)")
+    if not path.is_file():
+        raise UserError(f"no tree file at {spec}")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{spec} is not valid JSON: {e}") from None
+    hint = ('expected a list of child-rank paths like [[0], [1], [0, 0]], {"paths": [...]} or '
+            '{"depth": 5, "top_k": 4, "num_nodes": 16}')
+    try:
+        if isinstance(data, dict) and set(data) == {"paths"}:
+            data = data["paths"]
+        if isinstance(data, dict) and set(data) == {"depth", "top_k", "num_nodes"}:
+            return TreeConfig.dynamic(data["depth"], data["top_k"], data["num_nodes"]), path.stem
+        if not (isinstance(data, list) and all(isinstance(p, list) and all(isinstance(r, int) and not isinstance(r, bool)
+                                                                            for r in p) for p in data)):
+            raise ValueError(hint)
+        return TreeConfig.static(data), path.stem
+    except (ValueError, TypeError) as e:
+        msg = str(e)
+        raise UserError(f"bad tree in {spec}: {msg}" + ("" if msg == hint else f"; {hint}")) from None
+
+
+def check_draft_spec(spec: str) -> None:
+    """Fail before loading any model when a draft head is missing."""
+    from ..assets import DRAFTS, resolve_draft
+
+    if spec.endswith(LOOKUP_SUFFIX):
+        primary = spec[: -len(LOOKUP_SUFFIX)]
+        if primary in ("ngram", "none", ""):
+            raise UserError(f"--draft {spec}: '{LOOKUP_SUFFIX}' grafts prompt lookup onto a model drafter "
+                            "(a head, layers:K or model:NAME), e.g. smollm2-135m-instruct-eagle+lookup")
+        return check_draft_spec(primary)
+    if spec.startswith("layers:"):
+        if not spec[len("layers:"):].isdigit():
+            raise UserError(f"--draft {spec}: give a layer count, e.g. layers:6 (the target's first 6 layers)")
+        return
+    if spec in ("ngram", "none") or spec.startswith("model:"):
+        if spec == "model:":
+            raise UserError("--draft model: needs a model name or path, e.g. model:stories260k")
+        return
+    try:
+        resolve_draft(spec)
+    except FileNotFoundError as e:
+        if spec in DRAFTS:
+            raise UserError(f"the shipped draft {spec!r} is missing ({DRAFTS[spec][0]} has no config.json); "
+                            f"use --draft ngram, or train one with treespec train-eagle") from None
+        raise UserError(f"{e}; or use --draft ngram or --draft model:NAME") from None
+
+
+def check(args, trees: Iterable[str] = (), drafts: Iterable[str] = (), then: Iterable[Callable] = ()):
+    """``(SamplingParams or None, {tree spec: (TreeConfig, name)})`` once every check that
+    needs no model has passed; ``then`` runs between the trees and the drafts."""
+    check_early(args)
+    sp = sampling(args)
+    parsed = {t: tree(t) for t in dict.fromkeys(trees)}
+    for step in then:
+        step()
+    for d in dict.fromkeys(drafts):
+        check_draft_spec(d)
+    return sp, parsed
+
+
+# ---- loading -----------------------------------------------------------------------------
+
+
+def load_progress() -> Bars:
+    """A first load's slow steps on stderr: one line saying what is downloaded or converted,
+    and where, then a byte bar for the download (on a terminal)."""
+    return Bars("B", leave=False, say=True, only=("download",))
+
+
+def load_model(name, dtype=None):
+    from .. import models
+
+    try:
+        return models.load(name, progress=load_progress(), **({"dtype": dtype} if dtype is not None else {}))
+    except models.ModelUnavailableError as e:
+        raise UserError(str(e)) from None
+    except OSError as e:  # a folder transformers cannot read
+        raise UserError(f"cannot load the model {name!r}: {e}".splitlines()[0]) from None
+
+
+def device(args) -> str:
+    import torch
+
+    if args.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {args.device}: torch sees no CUDA GPU here (use --device cpu)")
+    return args.device
+
+
+def dtype(args):
+    import torch
+
+    from ..packing import default_dtype
+
+    return default_dtype(device(args)) if args.dtype == "auto" else getattr(torch, args.dtype)
+
+
+def load_target(args):
+    """The target model and tokenizer per --model, --device and --dtype."""
+    model, tok = load_model(args.model, dtype(args))
+    where = device(args)
+    return (model.to(where) if where != "cpu" else model), tok
+
+
+def drafter(spec: str, model, tokenizer, backend: str):
+    """``(Drafter, short name)`` for a draft spec, checked against ``model``."""
+    from ..drafters import ModelDrafter, NgramDrafter, load_draft
+
+    check_draft_spec(spec)
+    if spec.endswith(LOOKUP_SUFFIX):
+        from ..drafters import HybridDrafter
+
+        primary, name = drafter(spec[: -len(LOOKUP_SUFFIX)], model, tokenizer, backend)
+        try:
+            return HybridDrafter(primary), name + LOOKUP_SUFFIX
+        except ValueError as e:
+            raise UserError(str(e)) from None
+    if spec == "ngram":
+        return NgramDrafter(), "ngram"
+    if spec == "none":
+        from ..drafters import NoDrafter
+
+        return NoDrafter(), "none"
+    if spec.startswith("layers:"):
+        from ..models import truncated_draft
+
+        try:
+            return ModelDrafter(truncated_draft(model, int(spec[len("layers:"):])), attention_backend=backend), spec
+        except ValueError as e:
+            raise UserError(str(e)) from None
+    if spec.startswith("model:"):
+        p = next(model.parameters())
+        dmodel, dtok = load_model(spec[len("model:"):], p.dtype)
+        dmodel = dmodel.to(p.device)
+        if tokenizer is not None and dtok is not None and dtok.get_vocab() != tokenizer.get_vocab():
+            log.warning("the draft model's tokenizer differs from the target's: drafts will rarely be accepted")
+        d, name = ModelDrafter(dmodel, attention_backend=backend), spec
+    else:
+        d = load_draft(spec, model, attention_backend=backend)
+        name = spec if "/" not in spec else Path(spec).name
+    d.check_compatible(model)  # vocabulary mismatches surface here, as ValueError
+    return d, name
+
+
+def setup_threads(args):
+    """torch's threads: --threads, else one per physical core available to this process, with
+    a warning when other processes keep those cores busy (the threads then wait on each other)."""
+    import torch
+
+    from ..threads import busy_warning, default_threads
+
+    threads = args.threads or default_threads()
+    torch.set_num_threads(threads)
+    if args.threads is None:
+        warning = busy_warning(threads)
+        if warning:
+            log.warning(warning)
+
+
+def fast_path(args, model, drafters=()):
+    """The packed-weights context for ``model`` and the drafters' modules, or None, per --pack."""
+    import torch
+
+    from ..packing import PackedLinears, onednn_packs, packing_supported
+
+    if args.pack is False:
+        return None
+    if args.pack is None and not packing_supported(model):
+        p = next(model.parameters())
+        if p.device.type == "cpu" and p.dtype == torch.bfloat16 and onednn_packs(torch.float32):
+            log.warning("weights not packed: oneDNN cannot pack bfloat16 on this CPU, so the model runs on plain "
+                        "weights (--dtype float32 or auto packs; --pack makes this an error)")
+        return None
+    try:
+        return PackedLinears(model, *(m for d in drafters for m in d.modules()))
+    except ValueError as e:
+        raise UserError(f"--pack: {e}") from None
+
+
+@dataclass
+class Loaded:
+    """What a command runs on: the target, what ``prompts`` made of its tokenizer, the
+    drafters by spec as ``(Drafter, short name)``, and the packed-weights context or None."""
+
+    model: Any
+    tokenizer: Any
+    prompts: Any = None
+    drafters: dict = field(default_factory=dict)
+    fast: Any = None
+
+    def packed(self):
+        """The packed weights' context, or one that changes nothing."""
+        return self.fast if self.fast is not None else contextlib.nullcontext()
+
+
+def load(args, drafts: Iterable[str] = (), prompts: Callable | None = None) -> Loaded:
+    """Threads, the target, ``prompts(tokenizer)``, the drafters, then packed weights for all."""
+    setup_threads(args)
+    model, tok = load_target(args)
+    out = Loaded(model, tok, prompts(tok) if prompts is not None else None)
+    out.drafters = {d: drafter(d, model, tok, args.backend) for d in dict.fromkeys(drafts)}
+    out.fast = fast_path(args, model, [d for d, _ in out.drafters.values()])
+    return out
