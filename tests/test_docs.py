@@ -72,7 +72,7 @@ def _params():
 
 def _capped(fn, default: int):
     def wrapper(*args, **kwargs):
-        kwargs["max_new_tokens"] = min(kwargs.get("max_new_tokens") or default, CAP)
+        kwargs["max_new_tokens"] = min(kwargs.get("max_new_tokens") or default or 128, CAP)  # None: 128
         return fn(*args, **kwargs)
 
     return wrapper

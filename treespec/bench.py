@@ -296,22 +296,7 @@ def run_bench(
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if not prompts:
         raise ValueError("run_bench needs at least one prompt")
-    configs = list(configs)
-    plain = BenchConfig.hf_generate()
-    configs = [plain] + [c for c in configs if c != plain]
-    names = [c.name for c in configs]
-    dup = sorted({n for n in names if names.count(n) > 1})
-    if dup:
-        raise ValueError(f"configuration names must be unique, repeated: {', '.join(dup)}")
-
-    notes = []
-    results = [ConfigResult(c) for c in configs]
-    if not sp.greedy:
-        for r in results:
-            if r.config.kind == HF_LOOKUP:
-                r.skipped = "prompt lookup is benchmarked greedy only"
-                notes.append(f"{r.config.name} skipped: {r.skipped}")
-        notes.append("sampling: outputs are not compared token for token (same distribution, different draws)")
+    results, notes = _results(configs, sp)
     active = [r for r in results if r.skipped is None]
     from .auto import AutoProfile
 
@@ -342,23 +327,45 @@ def run_bench(
                            profiles.get(r.config.name))
             r.runs.append(rec)
             log.info("prompt %d %s: %d tokens, %.1f tokens/s", i, r.config.name, len(rec.tokens), rec.tokens_per_second)
-            if sp.greedy and r is not results[0]:
-                ref = results[0].runs[i].tokens
-                if rec.tokens != ref:
-                    if reference is None:
-                        reference = fp32_reference(model)
-                    d = classify_divergence(reference, prompt, ref, rec.tokens, tolerance)
-                    r.mismatches.append(i)
-                    r.first_diff[i] = d.position
-                    r.divergences[i] = d
-                    log.warning("%s differs from HF generate on prompt %d at token %d: %s (fp32 shortfall %.3g, "
-                                "tolerance %.3g)", r.config.name, i, d.position,
-                                "near-tie" if d.near_tie else "UNEXPLAINED", d.fp32_shortfall, tolerance)
+            if sp.greedy and r is not results[0] and rec.tokens != results[0].runs[i].tokens:
+                reference = reference if reference is not None else fp32_reference(model)
+                _judge(r, i, reference, prompt, results[0].runs[i].tokens, rec.tokens, tolerance)
         if callback:
             callback(BenchProgress("prompts", i + 1, len(prompts), None))
     return BenchResult([len(p) for p in prompts], results, sp, max_new_tokens, seed, notes,
                        dtype=str(dtype).removeprefix("torch."),
                        fast_path=getattr(fast_path, "description", None) if fast_path is not None else None)
+
+
+def _results(configs: Sequence[BenchConfig], sp: SamplingParams) -> tuple[list[ConfigResult], list[str]]:
+    """One result per configuration, plain HF generate first (the baseline of every ratio),
+    prompt lookup skipped when sampling; and the notes that say what was skipped."""
+    plain = BenchConfig.hf_generate()
+    configs = [plain] + [c for c in configs if c != plain]
+    names = [c.name for c in configs]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"configuration names must be unique, repeated: {', '.join(dup)}")
+    notes = []
+    results = [ConfigResult(c) for c in configs]
+    if not sp.greedy:
+        for r in results:
+            if r.config.kind == HF_LOOKUP:
+                r.skipped = "prompt lookup is benchmarked greedy only"
+                notes.append(f"{r.config.name} skipped: {r.skipped}")
+        notes.append("sampling: outputs are not compared token for token (same distribution, different draws)")
+    return results, notes
+
+
+def _judge(r: ConfigResult, i: int, reference, prompt, ref: list[int], got: list[int], tolerance: float) -> None:
+    """Record where configuration ``r`` left HF generate's greedy output on prompt ``i``, and
+    whether the fp32 ``reference`` calls it a bf16 near-tie."""
+    d = classify_divergence(reference, prompt, ref, got, tolerance)
+    r.mismatches.append(i)
+    r.first_diff[i] = d.position
+    r.divergences[i] = d
+    log.warning("%s differs from HF generate on prompt %d at token %d: %s (fp32 shortfall %.3g, tolerance %.3g)",
+                r.config.name, i, d.position, "near-tie" if d.near_tie else "UNEXPLAINED", d.fp32_shortfall, tolerance)
 
 
 # ---- figures ----------------------------------------------------------------------------
