@@ -298,23 +298,15 @@ def run_bench(
         raise ValueError("run_bench needs at least one prompt")
     results, notes = _results(configs, sp)
     active = [r for r in results if r.skipped is None]
-    from .auto import AutoProfile
-
-    profiles = {r.config.name: auto_profile.copy() if auto_profile is not None
-                else AutoProfile.starting(r.config.drafter)
-                for r in active if r.config.kind == TREESPEC and r.config.tree.auto}
-    for r in results:
-        if r.config.kind == TREESPEC:
-            r.config.drafter.check_compatible(model)
+    profiles = _auto_profiles(model, active, auto_profile)
     dtype = next(model.parameters()).dtype
     tolerance = near_tie_tolerance if near_tie_tolerance is not None else NEAR_TIE_TOLERANCE.get(dtype, 1.0)
     reference = None  # the fp32 model that judges greedy differences, made on the first one
 
-    if warmup:
-        short = list(prompts[0][:16])
+    if warmup:  # first calls run several times slower (allocations, kernel selection)
         for i, r in enumerate(active):
-            _run_one(model, r.config, short, min(16, max_new_tokens), sp, seed, attention_backend, fast_path,
-                     profiles.get(r.config.name))
+            _run_one(model, r.config, list(prompts[0][:16]), min(16, max_new_tokens), sp, seed, attention_backend,
+                     fast_path, profiles.get(r.config.name))
             if callback:
                 callback(BenchProgress("warmup", i + 1, len(active), r.config.name))
 
@@ -355,6 +347,18 @@ def _results(configs: Sequence[BenchConfig], sp: SamplingParams) -> tuple[list[C
                 notes.append(f"{r.config.name} skipped: {r.skipped}")
         notes.append("sampling: outputs are not compared token for token (same distribution, different draws)")
     return results, notes
+
+
+def _auto_profiles(model, active: list[ConfigResult], start) -> dict:
+    """Each ``auto`` configuration's own profile (a copy of ``start``, else its drafter's),
+    after checking every treespec drafter against the model."""
+    from .auto import AutoProfile
+
+    for r in active:
+        if r.config.kind == TREESPEC:
+            r.config.drafter.check_compatible(model)
+    return {r.config.name: start.copy() if start is not None else AutoProfile.starting(r.config.drafter)
+            for r in active if r.config.kind == TREESPEC and r.config.tree.auto}
 
 
 def _judge(r: ConfigResult, i: int, reference, prompt, ref: list[int], got: list[int], tolerance: float) -> None:
