@@ -13,6 +13,7 @@ controller; ``_StepTimer`` adds each stage's time to the metrics.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import numbers
 import operator
@@ -271,7 +272,7 @@ def _seeds(seed, n: int) -> list[int]:
     return seeds
 
 
-def _decodings(model, prompts: list[list[int]], eos: set[int], temperature, top_k, top_p, min_p, seed,
+def _decodings(model, prompts: list[list[int]], eos: set[int], max_new: int, temperature, top_k, top_p, min_p, seed,
                generation_config, logits_processor, options: dict) -> list[RequestDecoding]:
     """Each request's processors and seed, from treespec's keyword arguments (exactly the
     options given) or from a ``generation_config`` (transformers' semantics: the model's
@@ -296,8 +297,12 @@ def _decodings(model, prompts: list[list[int]], eos: set[int], temperature, top_
             fields[p] = exact_generation_config(model, eos_token_id=sorted(eos) or None, **warpers, **options)
         configs = [fields[p] for p in params]
     seeds = _seeds(seed, n)
-    return [RequestDecoding(NodeProcessor.build(model, c, len(p), logits_processor), s if c.do_sample else None)
-            for c, p, s in zip(configs, prompts, seeds)]
+    out = []
+    for c, p, s in zip(configs, prompts, seeds):
+        c = copy.copy(c)
+        c.max_length = len(p) + max_new  # where forced_eos_token_id forces EOS, as generate sets it
+        out.append(RequestDecoding(NodeProcessor.build(model, c, len(p), logits_processor), s if c.do_sample else None))
+    return out
 
 
 def _sampling_params(temperature, top_k, top_p, min_p, n: int) -> list[SamplingParams]:
@@ -374,7 +379,7 @@ def _checked_run(model, draft, tree_cfg, input_ids, max_new_tokens, temperature,
     if eos_token_id is None and generation_config is not None:
         eos_token_id = generation_config.eos_token_id
     eos = _eos_set(model, eos_token_id)
-    decodings = _decodings(model, prompts, eos, temperature, top_k, top_p, min_p, seed, generation_config,
+    decodings = _decodings(model, prompts, eos, max_new_tokens, temperature, top_k, top_p, min_p, seed, generation_config,
                            logits_processor, options)
     if cfg.auto and len({d.greedy for d in decodings}) > 1:
         raise ValueError(

@@ -4,12 +4,16 @@
 #
 #   STEPS="turns capture" N=8192 THREADS=1 bash benchmarks/training/magpie_all.sh 2>&1 | tee -a runs/magpie_all.log
 #
+#   restore  the raw chunks kept in benchmarks/data/magpie that runs/magpie lacks, and the capture
+#            folders' answers kept in benchmarks/data/captures (their shards are then rebuilt)
 #   turns    sample N raw first turns from the target (python -m treespec.train.magpie: chunks of 64
 #            in runs/magpie, each from its own seed, skipped when present), filter them, and write
 #            treespec/data/magpie_chat.jsonl.gz (filtering keeps order, so a larger N only appends)
 #   capture  the target's answers: magpie-chat[:256] held out (runs/cap-magpie-val, greedy), the
 #            rest (runs/cap-magpie, a fifth sampled at T=0.8), resumable shards of 64
-#   keep     copy the answers files to benchmarks/data/captures (then commit them)
+#   keep     copy the raw chunks (gzip -n: same chunk, same bytes) to benchmarks/data/magpie and the
+#            answers files to benchmarks/data/captures (then commit them): a chunk sampled on another
+#            machine or dtype differs, so the chunks themselves are what makes a larger N append
 # Feeds no docs table yet: the data of issue 26 (treespec/data/magpie_chat.jsonl.gz, captures).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -18,6 +22,19 @@ N=${N:-8192}
 THREADS=${THREADS:-2}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 say() { echo "== $* ($(date -u +%H:%M:%S))"; }
+if has restore; then
+  say restore
+  mkdir -p runs/magpie
+  for f in benchmarks/data/magpie/chunk-*.jsonl.gz; do
+    [ -e "$f" ] || continue
+    out=runs/magpie/$(basename "$f" .gz)
+    [ -e "$out" ] || gunzip -c "$f" > "$out"
+  done
+  for c in cap-magpie-val cap-magpie; do
+    [ -d benchmarks/data/captures/$c ] || continue
+    mkdir -p runs/$c && cp -n benchmarks/data/captures/$c/* runs/$c/
+  done
+fi
 if has turns; then
   say "turns: $N raw"
   python -m treespec.train.magpie --n "$N" --work runs/magpie --out treespec/data --threads "$THREADS"
@@ -29,4 +46,11 @@ if has capture; then
   treespec capture --data "magpie-chat[256:]" --out runs/cap-magpie --sample-share 0.2 --sample-temperature 0.8 \
     --threads "$THREADS"
 fi
-if has keep; then say keep; bash benchmarks/training/keep_answers.sh runs/cap-magpie-val runs/cap-magpie; fi
+if has keep; then
+  say keep
+  mkdir -p benchmarks/data/magpie
+  for f in runs/magpie/chunk-*.jsonl; do gzip -n -c "$f" > "benchmarks/data/magpie/$(basename "$f").gz"; done
+  for c in cap-magpie-val cap-magpie; do
+    [ -e runs/$c/capture.json ] && bash benchmarks/training/keep_answers.sh runs/$c
+  done
+fi

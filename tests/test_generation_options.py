@@ -1,0 +1,204 @@
+"""Every generation option exact on trees (issue 27), and seeds that hold.
+
+* Greedy with random GenerationConfig options (penalties, banned n-grams and words, minimum
+  lengths, biases, suppressed tokens, forced EOS, length decay), random trees and drafters
+  (prompt lookup, a draft model, an exact copy, an EAGLE-3 head), one prompt or a ragged
+  batch: every request equals HF ``generate`` on that prompt alone with the same options.
+* Sampling with penalties: the first two tokens' joint distribution against the target's
+  processed one (chi-square).
+* A seed fixes the sampled output across trees, drafters, ``auto``, batches and
+  ``generate`` / ``stream``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import GenerationConfig
+from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
+
+import treespec
+from test_sampling_engine import E2E_PROMPT, E2E_V, chi_square, soft_model, twin
+from tiny import dynamic_configs, tiny_model
+from treespec import AutoProfile, TreeConfig
+from treespec.costs import CostCurve
+from treespec.drafters import HybridDrafter, ModelDrafter, NgramDrafter
+from treespec.processing import NodeProcessor, exact_generation_config
+
+V = 64
+SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    yield
+
+
+@functools.lru_cache(maxsize=None)
+def target(seed: int):
+    return tiny_model("llama", seed, vocab=V, peak=8.0)  # soft enough that penalties change the argmax
+
+
+@functools.lru_cache(maxsize=None)
+def drafter(kind: str, seed: int):
+    if kind == "ngram":
+        return NgramDrafter()
+    if kind == "weak":
+        return ModelDrafter(tiny_model("llama", seed + 1000, vocab=V, layers=1))
+    if kind == "twin":
+        return ModelDrafter(tiny_model("llama", seed, vocab=V, peak=8.0))
+    return HybridDrafter(drafter("weak", seed), NgramDrafter(max_ngram=2, min_ngram=1, max_matches=2, depth=4,
+                                                              num_nodes=5))
+
+
+options = st.fixed_dictionaries({}, optional={
+    "repetition_penalty": st.sampled_from([0.8, 1.1, 1.5, 2.0]),
+    "no_repeat_ngram_size": st.integers(1, 3),
+    "min_new_tokens": st.integers(1, 8),
+    "bad_words_ids": st.lists(st.lists(st.integers(1, V - 1), min_size=1, max_size=2), min_size=1, max_size=4),
+    "sequence_bias": st.dictionaries(st.tuples(st.integers(1, V - 1)), st.sampled_from([-5.0, 3.0, 10.0]),
+                                     min_size=1, max_size=3),
+    "suppress_tokens": st.lists(st.integers(1, V - 1), min_size=1, max_size=4),
+    "begin_suppress_tokens": st.lists(st.integers(1, V - 1), min_size=1, max_size=3),
+    "exponential_decay_length_penalty": st.tuples(st.integers(0, 4), st.sampled_from([1.2, 2.0])),
+    "forced_eos_token_id": st.just(7),
+})
+
+
+def hf(model, prompt: list[int], n: int, **kw) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, **kw)
+    return out[0, len(prompt):].tolist()
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(opts=options, eos=st.sampled_from([None, 7, [7, 9]]), kind=st.sampled_from(["ngram", "weak", "twin", "hybrid"]),
+       seed=st.integers(0, 2), tree=st.one_of(st.sampled_from(["chain-3", "cpu", "eagle1"]), dynamic_configs(4, 12)),
+       prompts=st.lists(st.lists(st.integers(0, V - 1), min_size=1, max_size=10), min_size=1, max_size=3),
+       max_new=st.integers(1, 16))
+def test_greedy_with_options_equals_hf_generate(opts, eos, kind, seed, tree, prompts, max_new):
+    model = target(seed)
+    if eos is None and ("forced_eos_token_id" in opts or "exponential_decay_length_penalty" in opts):
+        eos = 7  # both push towards an EOS, which transformers needs to know
+    out = treespec.generate(model, drafter(kind, seed), tree, prompts, max_new_tokens=max_new, eos_token_id=eos, **opts)
+    for p, got in zip(prompts, out.sequences):
+        assert got == hf(model, p, max_new, do_sample=False, eos_token_id=eos, **opts), (p, opts)
+
+
+@settings(max_examples=6, **SETTINGS)
+@given(opts=options, tree=st.sampled_from(["chain-2", "cpu"]),
+       prompts=st.lists(st.lists(st.integers(0, V - 1), min_size=1, max_size=10), min_size=1, max_size=3))
+def test_greedy_with_options_and_an_eagle3_head(opts, tree, prompts):
+    from test_eagle import E3_LAYERS, eagle3_checkpoint, target as eagle_target, write
+
+    import tempfile
+    from pathlib import Path
+
+    model = eagle_target("eagle3", 0, "llama")
+    with tempfile.TemporaryDirectory() as d:
+        head = treespec.load_draft(write(Path(d), *eagle3_checkpoint(0)), model)
+    out = treespec.generate(model, head, tree, prompts, max_new_tokens=12, **opts)
+    for p, got in zip(prompts, out.sequences):
+        assert got == hf(model, p, 12, do_sample=False, **opts)
+    assert E3_LAYERS  # the head reads three distinct layers of this target
+
+
+def test_generation_config_is_read_as_hf_reads_it():
+    model = target(0)
+    gc = GenerationConfig(repetition_penalty=1.5, no_repeat_ngram_size=2, max_new_tokens=9)
+    prompt = [3, 4, 5, 3, 4]
+    out = treespec.generate(model, drafter("twin", 0), "cpu", prompt, generation_config=gc)
+    assert out.sequences[0] == hf(model, prompt, 9, generation_config=gc, do_sample=False)
+    with pytest.raises(ValueError, match="set do_sample, temperature"):
+        treespec.generate(model, "ngram", "cpu", prompt, generation_config=gc, temperature=0.7)
+
+
+class BanAfter(LogitsProcessor):
+    """A user's processor, pure in (input_ids, scores): after token 3, token 4 is banned."""
+
+    def __call__(self, input_ids, scores):
+        scores = scores.clone()
+        scores[input_ids[:, -1] == 3, 4] = -float("inf")
+        return scores
+
+
+def test_a_users_logits_processor_runs_per_node():
+    model = target(1)
+    prompts = [[3, 1, 3, 2, 3], [5, 3]]
+    procs = LogitsProcessorList([BanAfter()])
+    out = treespec.generate(model, drafter("twin", 1), "cpu", prompts, max_new_tokens=12, logits_processor=procs,
+                            repetition_penalty=1.3)
+    for p, got in zip(prompts, out.sequences):
+        assert got == hf(model, p, 12, do_sample=False, logits_processor=procs, repetition_penalty=1.3)
+
+
+# ---- sampling ---------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def processed_joint(model, prompt, n: int, **fields) -> dict:
+    """P(first n tokens) from the target's distributions after the processors built from
+    ``fields`` (each prefix processed with its own history)."""
+    cfg = exact_generation_config(model, **fields)
+    proc = NodeProcessor.build(model, cfg, len(prompt))
+    joint = {(): 1.0}
+    for _ in range(n):
+        prefixes = [k for k, p in joint.items() if p > 0]
+        ids = torch.tensor([prompt + list(k) for k in prefixes])
+        probs = torch.softmax(proc.processors(ids, model(ids).logits[:, -1].float()), -1).double()
+        joint = {k + (t,): joint[k] * float(probs[i, t]) for i, k in enumerate(prefixes) for t in range(probs.shape[1])}
+    return joint
+
+
+@pytest.mark.parametrize("tree", ["cpu", "auto"])
+def test_sampling_with_penalties_has_the_processed_distribution(tree):
+    model = soft_model(1, vocab=E2E_V, peak=6.0)
+    draft = ModelDrafter(twin(1, vocab=E2E_V, peak=6.0))
+    N, opts = 400, dict(temperature=0.9, top_k=6, repetition_penalty=1.8, no_repeat_ngram_size=2)
+    profile = AutoProfile(costs=CostCurve((1, 4096), (1.0, 1.0 + 0.001 * 4095)))
+    out = treespec.generate(model, draft, tree, [E2E_PROMPT] * N, max_new_tokens=3, seed=123, auto_profile=profile,
+                            **opts)
+    assert out.metrics.acceptance_counts and out.metrics.acceptance_counts[0] > N // 10
+    right = processed_joint(model, E2E_PROMPT, 2, do_sample=True, **opts)
+    counts: dict = {}
+    for s in out.sequences:
+        counts[tuple(s[:2])] = counts.get(tuple(s[:2]), 0) + 1
+    stat, thr = chi_square(counts, right, N)
+    assert stat < thr, f"chi2 {stat:.1f} >= {thr:.1f}"
+    # The test has teeth: the unpenalised distribution is rejected.
+    wrong = processed_joint(model, E2E_PROMPT, 2, do_sample=True, temperature=0.9, top_k=6)
+    assert chi_square(counts, wrong, N)[0] >= thr
+
+
+# ---- seeds ------------------------------------------------------------------------------------
+
+
+def test_a_seed_fixes_the_output_whatever_the_tree_drafter_and_batch():
+    model = target(2)
+    prompt, other = [4, 8, 15, 16, 23, 42], [1, 2, 3]
+    kw = dict(max_new_tokens=24, temperature=0.8, top_p=0.95, repetition_penalty=1.1)
+    profile = AutoProfile(costs=CostCurve((1, 64), (1.0, 1.5)))
+    runs = {}
+    for kind in ("none", "ngram", "weak", "twin", "hybrid"):
+        d = "none" if kind == "none" else drafter(kind, 2)
+        for tree in ("chain-3", "cpu", "auto"):
+            out = treespec.generate(model, d, tree, prompt, seed=[77], auto_profile=profile.copy(), **kw)
+            runs[kind, tree] = out.sequences[0]
+    # Inside a ragged batch, at another index, with its seed given per request.
+    batch = treespec.generate(model, drafter("twin", 2), "cpu", [other, prompt, other[:2]], seed=[5, 77, 6], **kw)
+    runs["batch"] = batch.sequences[1]
+    streamed = []
+    for step in treespec.stream(model, drafter("weak", 2), "chain-3", prompt, seed=[77], **kw):
+        streamed.extend(step.tokens[0])
+    runs["stream"] = streamed
+    assert len({tuple(r) for r in runs.values()}) == 1, runs
+    assert runs["batch"] != treespec.generate(model, "none", "chain-3", prompt, seed=[78], **kw).sequences[0]
+    # No seed: torch's global generator decides, so torch.manual_seed repeats a run.
+    torch.manual_seed(0)
+    a = treespec.generate(model, "ngram", "cpu", prompt, **kw).sequences[0]
+    torch.manual_seed(0)
+    assert a == treespec.generate(model, drafter("twin", 2), "chain-2", prompt, **kw).sequences[0]
