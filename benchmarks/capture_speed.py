@@ -13,6 +13,7 @@ weights where the CPU has native bf16, as ``treespec capture`` runs.
 from __future__ import annotations
 
 import argparse
+import importlib
 import tempfile
 import time
 
@@ -21,10 +22,12 @@ import torch
 from treespec.models import load
 from treespec.packing import PackedLinears, default_dtype, packing_supported
 from treespec.threads import default_threads
-from treespec.train import capture as capture_mod
-from treespec.train.capture import CaptureConfig, _feature_ids, capture_plan, capture_shards
+from treespec.train.capture import CaptureConfig, capture_plan, capture_shards
 from treespec.train.data import tokenize_example
-from treespec.train.trainer import generated_records
+from treespec.train.records import feature_ids, generated_records
+
+# The module, not treespec.train.capture the attribute: that is the trainer's capture function.
+capture_mod = importlib.import_module("treespec.train.capture")
 
 DATA = "gsm8k-train[:7400],stdlib-code[:3100],chat-train[:3750]"
 
@@ -48,7 +51,7 @@ def main() -> None:
             for _, ex in plan:
                 ids, plen = tokenize_example(tok, ex, answer="")
                 prompts.append(ids[:plen])
-            fids = _feature_ids(model, "both")
+            fids = feature_ids(model, "both")
             generated_records(model, prompts, fids, 4, tok.eos_token_id)  # warm-up
             t = time.perf_counter()
             recs = generated_records(model, prompts, fids, args.new_tokens, tok.eos_token_id)
