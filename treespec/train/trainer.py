@@ -310,14 +310,9 @@ def _autocast_dtype(name: str, device_type: str) -> torch.dtype | None:
     return torch.bfloat16 if default_dtype(device_type) == torch.bfloat16 else None
 
 
-def train_eagle(model, tokenizer, cfg: TrainConfig, callback: Callable[[Progress], None] | None = None) -> EagleHead:
-    """Run the whole pipeline; returns the trained head (also saved to ``cfg.out_dir``)."""
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
+def _training_records(model, tokenizer, cfg: TrainConfig, out: Path, callback) -> list[dict]:
+    """Stage 1: the records of a capture folder (``cfg.captured``), or those an earlier run left
+    in ``out``, or a new capture saved there."""
     cap_path = out / "captured.pt"
     if cfg.captured:
         records = load_shards(cfg.captured, eagle3=cfg.eagle3, limit=cfg.max_examples, source=cfg.captured_source,
@@ -334,7 +329,13 @@ def train_eagle(model, tokenizer, cfg: TrainConfig, callback: Callable[[Progress
         records, stats = capture(model, tokenizer, cfg, callback)
         torch.save(records, cap_path)
         log.info("captured %d conversations in %.0f s (%s)", len(records), time.time() - t0, stats.describe())
+    return records
 
+
+def _new_head(model, tokenizer, cfg: TrainConfig, records) -> tuple[EagleHead, torch.Tensor | None]:
+    """Stage 2: a float32 head for ``model``, all its parameters trainable; with EAGLE-3 its draft
+    vocabulary from the labels of ``records`` and its output rows started from the target's.
+    Also those rows, frozen, for soft labels (``[Vd, H]``; None without soft labels)."""
     head = EagleHead.for_target(model, eagle3=cfg.eagle3, draft_vocab_size=cfg.draft_vocab_size)
     head = head.float()
     if cfg.eagle3:
@@ -353,16 +354,36 @@ def train_eagle(model, tokenizer, cfg: TrainConfig, callback: Callable[[Progress
         rows = head.lm_head.weight.detach().clone()  # the target's rows, as copied above, frozen
     for p in head.parameters():
         p.requires_grad_(True)
-    params = [p for p in head.parameters() if p.requires_grad]
+    return head, rows
 
+
+def _split(records, cfg: TrainConfig) -> tuple[list[int], list[dict]]:
+    """``(indices of the training records, validation records)``: the held-out capture folder's
+    greedy conversations (``cfg.val_captured``), else a seeded tenth of ``records`` at most."""
     rng = random.Random(cfg.seed)
     order = list(range(len(records)))
     rng.shuffle(order)
-    val_records = None
     if cfg.val_captured:
         val_records = load_shards(cfg.val_captured, eagle3=cfg.eagle3, greedy_only=True)[: cfg.val_examples]
-    val = [] if val_records else order[: min(cfg.val_examples, len(order) // 10)]
-    train = order[len(val):]
+        if val_records:
+            return order, val_records
+    val = order[: min(cfg.val_examples, len(order) // 10)]
+    return order[len(val):], [records[i] for i in val]
+
+
+def train_eagle(model, tokenizer, cfg: TrainConfig, callback: Callable[[Progress], None] | None = None) -> EagleHead:
+    """Run the whole pipeline; returns the trained head (also saved to ``cfg.out_dir``)."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    records = _training_records(model, tokenizer, cfg, out, callback)
+    head, rows = _new_head(model, tokenizer, cfg, records)
+    params = [p for p in head.parameters() if p.requires_grad]
+
+    train, val = _split(records, cfg)
     steps_per_epoch = math.ceil(len(train) / cfg.batch_size)
     total_steps = max(1, int(steps_per_epoch * cfg.epochs))
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
@@ -419,8 +440,8 @@ def train_eagle(model, tokenizer, cfg: TrainConfig, callback: Callable[[Progress
                 torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step,
                             "config": asdict(cfg)}, ckpt)
     head.eval()
-    if val or val_records:
-        vloss, vacc = validate(head, val_records if val_records else [records[i] for i in val], cfg.ttt_steps)
+    if val:
+        vloss, vacc = validate(head, val, cfg.ttt_steps)
         log.info("validation loss %.3f, top-1 accuracy by step %s", float(vloss), [round(a, 3) for a in vacc])
         (out / "validation.txt").write_text(
             f"loss {float(vloss):.4f}\ntop1_by_step {' '.join(f'{a:.4f}' for a in vacc)}\n")
