@@ -20,16 +20,12 @@ from treespec.cli.common import portable as _portable
 from treespec.drafters import RecordingDrafter
 from treespec.text import TextStream
 
-from tiny import save_tiny_lm, tiny_model
+from tiny import STORIES260K_MISSING, save_tiny_lm, stories260k_gguf, tiny_model
 
 PNG = b"\x89PNG\r\n\x1a\n"
 SHIPPED = "smollm2-135m-instruct-eagle"
 
-needs_stories = pytest.mark.skipif(
-    models.shared_dir() is None,
-    reason="stories260K (real text) is not shipped with treespec (its licence does not allow it): it needs the "
-           "project's shared/ folder (shared/models/stories260K.gguf, or set TREESPEC_SHARED)"
-)
+needs_stories = pytest.mark.skipif(stories260k_gguf() is None, reason=STORIES260K_MISSING)
 
 
 @pytest.fixture(autouse=True)
@@ -145,7 +141,7 @@ def test_missing_head_directory(capsys, tmp_path):
     (["--config", "ngram@nope"], "unknown tree preset 'nope'"),
 ])
 def test_bench_user_errors(capsys, flags, expect):
-    rc, _, err = run(capsys, "bench", "--model", "stories260k", *flags)
+    rc, _, err = run(capsys, "bench", "--model", "smollm2-135m-instruct", *flags)
     assert rc == 2
     assert expect in error_line(err)
 
@@ -364,7 +360,7 @@ def test_tree_show_prompt_ngram(capsys, tmp_path):
     png = tmp_path / "e.png"
     # The target's first token (" b") continues an earlier "a big": ngram has a run to propose.
     rc, out, err = run(capsys, "tree", "show", "eagle1", "--prompt", "She saw a big red ball. She saw a big",
-                       "--model", "stories260k", "--draft", "ngram", "--out", str(png))
+                       "--model", str(stories260k_gguf()), "--draft", "ngram", "--out", str(png))
     assert rc == 0, err
     assert png.read_bytes()[:8] == PNG
     drafted = int(re.search(r"\((\d+) drafted nodes", out).group(1))

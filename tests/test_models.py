@@ -1,10 +1,14 @@
 """Model loading: the GGUF reader against known greedy text, the rotary layout, the tokenizer."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import treespec
+from tiny import STORIES260K_MISSING, stories260k_gguf
 from treespec import models
 from treespec.models import ModelUnavailableError, load, permute_qk, unpermute_qk
 
@@ -14,10 +18,10 @@ STORY = "Once upon a time, there was a little girl named Lily. She loved to play
 @pytest.fixture(scope="module")
 def stories():
     """(model, tokenizer) for stories260K, or a skip where shared/models is not here."""
-    try:
-        return load("stories260k")
-    except ModelUnavailableError as err:
-        pytest.skip(f"stories260K unavailable: {err}")
+    path = stories260k_gguf()
+    if path is None:
+        pytest.skip(STORIES260K_MISSING)
+    return load(path)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -43,12 +47,12 @@ def test_stories260k_config(stories):
 
 
 def test_stories260k_gguf_path_is_read_here():
-    """A .gguf path that transformers would trip on (0xFFFFFFFF ids) still loads via `load`."""
-    shared = models.shared_dir()
-    if shared is None:
-        pytest.skip("stories260K.gguf is not shipped with treespec (its licence does not allow it): it needs "
-                    "the project's shared/ folder (shared/models, or set TREESPEC_SHARED)")
-    model, tokenizer = load(shared / "models" / "stories260K.gguf")
+    """A .gguf path that transformers would trip on (0xFFFFFFFF ids) goes to treespec's reader."""
+    path = stories260k_gguf()
+    if path is None:
+        pytest.skip(STORIES260K_MISSING)
+    assert models.gguf_reader.trips_transformers(path)
+    model, tokenizer = load(path)
     assert model.config.vocab_size == len(tokenizer) == 512
 
 
@@ -132,6 +136,9 @@ def test_shared_dir_env(tmp_path, monkeypatch):
     assert models.shared_dir() == tmp_path
     monkeypatch.setenv("TREESPEC_SHARED", str(tmp_path / "absent"))
     assert models.shared_dir() is None
+    monkeypatch.delenv("TREESPEC_SHARED")
+    beside_repo = Path(treespec.__file__).resolve().parents[2] / "shared"  # <repo>/treespec/__init__.py
+    assert models.shared_dir() == (beside_repo if beside_repo.is_dir() else None)
 
 
 def test_cache_dir_env(tmp_path, monkeypatch):
@@ -139,17 +146,13 @@ def test_cache_dir_env(tmp_path, monkeypatch):
     assert models.cache_dir() == tmp_path / "c" and (tmp_path / "c").is_dir()
 
 
-def test_registry_is_read_only():
-    assert set(models.MODELS) == {"smollm2-135m-instruct", "stories260k"}
+def test_registry_is_read_only_and_names_only_what_ships():
+    """Only models an installed treespec can fetch are named: stories260K, which lives in this
+    repository's shared/ folder only, is loaded by path."""
+    assert set(models.MODELS) == {"smollm2-135m-instruct"}
     assert all(spec.description for spec in models.MODELS.values())
     with pytest.raises(TypeError):
-        models.MODELS["x"] = models.MODELS["stories260k"]
-
-
-def test_stories260k_unavailable_without_shared(tmp_path, monkeypatch):
-    monkeypatch.setenv("TREESPEC_SHARED", str(tmp_path / "absent"))
-    with pytest.raises(ModelUnavailableError, match="TREESPEC_SHARED"):
-        load("stories260k")
+        models.MODELS["x"] = models.MODELS["smollm2-135m-instruct"]
 
 
 def test_missing_path_is_unavailable(tmp_path):

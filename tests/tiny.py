@@ -87,3 +87,22 @@ def save_tiny_lm(path, seed: int = 0, layers: int = 5):
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+# ---- stories260K ------------------------------------------------------------------------------
+
+STORIES260K_MISSING = (
+    "stories260K.gguf is not shipped with treespec (its licence does not allow it): tests that need it read "
+    "the project's shared/ folder (shared/models/stories260K.gguf beside the repository, or set TREESPEC_SHARED "
+    "to a folder holding models/stories260K.gguf)")
+
+
+def stories260k_gguf():
+    """The path of karpathy's stories260K GGUF (a tiny *real* model: peaked, deterministic text)
+    in the project's shared/ folder, or None where this checkout has none. Not a registry name:
+    it exists only in this repository's checkout, so tests load it by path."""
+    from treespec.models import shared_dir
+
+    shared = shared_dir()
+    path = shared / "models" / "stories260K.gguf" if shared is not None else None
+    return path if path is not None and path.is_file() else None

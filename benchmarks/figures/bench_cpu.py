@@ -22,9 +22,9 @@ checked token for token against HF generate's. It writes
     benchmarks/results/cpu-<model>-gsm8k-tokens_per_second.png
 
 and prints the table. Keep the machine otherwise idle while it runs: the figures are wall
-times. ``--model`` and ``--head`` swap the pair (e.g. ``--model stories260k --head DIR`` for
-a smoke test); any other option is passed on to ``treespec bench`` (``--threads 2``,
-``--no-warmup``, ...). The exit status is ``treespec bench``'s: 1 when a treespec output
+times. ``--model`` and ``--head`` swap the pair (e.g. ``--model
+shared/models/stories260K.gguf --head DIR`` for a smoke test); any other option is passed on
+to ``treespec bench`` (``--threads 2``, ``--no-warmup``, ...). The exit status is ``treespec bench``'s: 1 when a treespec output
 differs from HF generate's.
 
 Feeds no docs table now: the CPU sections of docs/benchmarks.md come from

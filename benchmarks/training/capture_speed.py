@@ -16,6 +16,7 @@ Feeds docs/training.md, "Throughput and wall time of the full capture"; docs/run
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import tempfile
 from pathlib import Path
@@ -29,10 +30,12 @@ from benchmarks.timing import Timer  # noqa: E402
 from treespec.models import load  # noqa: E402
 from treespec.packing import PackedLinears, default_dtype, packing_supported  # noqa: E402
 from treespec.threads import default_threads  # noqa: E402
-from treespec.train import capture as capture_mod  # noqa: E402
-from treespec.train.capture import CaptureConfig, _feature_ids, capture_plan, capture_shards  # noqa: E402
+from treespec.train.capture import CaptureConfig, capture_plan, capture_shards  # noqa: E402
 from treespec.train.data import tokenize_example  # noqa: E402
-from treespec.train.trainer import generated_records  # noqa: E402
+from treespec.train.records import feature_ids, generated_records  # noqa: E402
+
+# The module, not treespec.train.capture the attribute: that is the trainer's capture function.
+capture_mod = importlib.import_module("treespec.train.capture")
 
 DATA = "gsm8k-train[:7400],stdlib-code[:3100],chat-train[:3750]"
 
@@ -56,7 +59,7 @@ def main() -> None:
             for _, ex in plan:
                 ids, plen = tokenize_example(tok, ex, answer="")
                 prompts.append(ids[:plen])
-            fids = _feature_ids(model, "both")
+            fids = feature_ids(model, "both")
             generated_records(model, prompts, fids, 4, tok.eos_token_id)  # warm-up
             with Timer() as t:
                 recs = generated_records(model, prompts, fids, args.new_tokens, tok.eos_token_id)

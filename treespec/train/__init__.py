@@ -1,5 +1,12 @@
-"""Training draft heads (``treespec train-eagle``)."""
+"""Training draft heads (``treespec train-eagle``).
 
-from .trainer import Progress, TrainConfig, capture, train_eagle, validate
+Modules, each importing only those before it: ``data`` (JSONL in, tokenised conversations out)
+-> ``records`` (the record format, feature hooks, teacher-forced and generated batches, progress)
+-> ``capture`` (sharded, resumable captures) -> ``trainer`` (``train_eagle``). ``prompts`` and
+``magpie`` build training prompt sets.
+"""
+
+from .records import Progress
+from .trainer import TrainConfig, capture, train_eagle, validate
 
 __all__ = ["TrainConfig", "train_eagle", "capture", "Progress", "validate"]

@@ -65,9 +65,8 @@ from typing import Callable
 
 import torch
 
-from ..drafters.eagle import eagle3_feature_layers
 from .data import DataStats, Example, read_jsonl, tokenize_example
-from .trainer import Progress, _Hooks, _left_pad, _record, generated_records
+from .records import Progress, feature_ids, generated_records, teacher_forced_records
 
 __all__ = ["CaptureConfig", "capture_plan", "capture_shards", "load_shards", "parse_data_spec", "shard_files"]
 
@@ -175,11 +174,6 @@ def capture_plan(cfg: CaptureConfig) -> list[tuple[str, Example]]:
 # ---- shards ---------------------------------------------------------------------------------
 
 
-def _feature_ids(model, features: str) -> tuple[int, ...]:
-    e3 = tuple(eagle3_feature_layers(model.config.num_hidden_layers))
-    return {"eagle3": e3, "eagle1": (-1,), "both": e3 + (-1,)}[features]
-
-
 def _shard_name(start: int, stop: int) -> str:
     return f"shard-{start:06d}-{stop:06d}.pt"
 
@@ -277,7 +271,7 @@ def capture_shards(model, tokenizer, cfg: CaptureConfig,
     """
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    fids = _feature_ids(model, cfg.features)
+    fids = feature_ids(model, cfg.features)
     _check_manifest(out, cfg, fids)
     plan = capture_plan(cfg)
     if not plan:
@@ -377,45 +371,18 @@ def _capture_range(model, tokenizer, cfg, plan, a, b, fids, stats, summary, give
         for (i, _, temperature, _), r in zip(batch, recs):
             summary["generated_tokens"] += r["tokens"].numel() - r["prompt_len"]
             by_index[i] = dict(r, sampled=temperature > 0)
-    if forced or replayed:
-        hooks = _Hooks(model, fids)
-        dev = next(model.parameters()).device
-        try:
-            for s in range(0, len(forced), cfg.batch_size):
-                batch = forced[s: s + cfg.batch_size]
-                ids, att = _left_pad([x[1] for x in batch], pad)
-                logits = model(input_ids=ids.to(dev), attention_mask=att.to(dev), position_ids=_positions(att).to(dev),
-                               use_cache=False).logits
-                feats = hooks.take()
-                pred = logits.argmax(-1)
-                for j, (i, toks, plen) in enumerate(batch):
-                    off = ids.shape[1] - len(toks)
-                    labels = pred[j, off:].clone()
-                    labels[: max(plen - 1, 0)] = -100
-                    labels[-1] = -100
-                    by_index[i] = dict(_record(toks, feats[j, off: off + len(toks) - 1], labels, plen), sampled=False)
-            # Replayed answers: the labels are the tokens the target wrote, so no logits are
-            # needed, only the decoder's states (the final norm's included).
-            replayed.sort(key=lambda x: (len(x[1]), x[0]))
-            for batch in _by_tokens(replayed, cfg.batch_size):
-                ids, att = _left_pad([x[1] for x in batch], pad)
-                model.get_decoder()(input_ids=ids.to(dev), attention_mask=att.to(dev),
-                                    position_ids=_positions(att).to(dev), use_cache=False)
-                feats = hooks.take()
-                for j, (i, toks, plen, sampled) in enumerate(batch):
-                    off = ids.shape[1] - len(toks)
-                    labels = torch.full((len(toks),), -100, dtype=torch.int64)
-                    labels[plen - 1: len(toks) - 1] = torch.tensor(toks[plen:])
-                    by_index[i] = dict(_record(toks, feats[j, off: off + len(toks) - 1], labels, plen), sampled=sampled)
-        finally:
-            hooks.close()
+    for s in range(0, len(forced), cfg.batch_size):
+        batch = forced[s: s + cfg.batch_size]
+        recs = teacher_forced_records(model, [(toks, plen) for _, toks, plen in batch], fids, pad)
+        for (i, _, _), r in zip(batch, recs):
+            by_index[i] = dict(r, sampled=False)
+    # Replayed answers: labelled with the tokens the target wrote, so no logits are needed.
+    replayed.sort(key=lambda x: (len(x[1]), x[0]))
+    for batch in _by_tokens(replayed, cfg.batch_size):
+        recs = teacher_forced_records(model, [(toks, plen) for _, toks, plen, _ in batch], fids, pad, labels="tokens")
+        for (i, _, _, sampled), r in zip(batch, recs):
+            by_index[i] = dict(r, sampled=sampled)
     return [dict(by_index[i], index=i, source=plan[i][0]) for i in sorted(by_index)]
-
-
-def _positions(att: torch.Tensor) -> torch.Tensor:
-    """Each token's position counted from its row's first real token (left padding), as
-    decoding numbers them."""
-    return (att.cumsum(-1) - 1).clamp(min=0)
 
 
 def _by_tokens(items, max_batch: int, budget: int = _REPLAY_TOKENS) -> list[list]:

@@ -37,11 +37,12 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from ..drafters.base import DraftSession, DraftStart, Drafter
-from ..drafters.eagle import EagleHead, eagle3_feature_layers
+from ..drafters.eagle import EagleHead
+from .capture import load_shards
 from .data import DataStats, read_jsonl, tokenize_example
+from .records import Progress, feature_ids, generated_records, teacher_forced_records
 
-__all__ = ["TrainConfig", "train_eagle", "capture", "Progress"]
+__all__ = ["TrainConfig", "train_eagle", "capture", "Progress", "validate"]
 
 log = logging.getLogger(__name__)
 
@@ -83,58 +84,7 @@ class TrainConfig:
     # its one token; needs a capture with the final state (captured, features "both")
 
 
-@dataclass
-class Progress:
-    """What the trainer reports to its caller (the CLI draws a progress bar from it)."""
-
-    stage: str
-    done: int
-    total: int
-    info: dict
-
-
 # ---- capture ----------------------------------------------------------------------------
-
-
-def _feature_ids(model, eagle3: bool) -> tuple[int, ...]:
-    return eagle3_feature_layers(model.config.num_hidden_layers) if eagle3 else (-1,)
-
-
-class _Hooks:
-    """Collect the states entering given decoder layers (or leaving the final norm)."""
-
-    def __init__(self, model, ids):
-        self.ids, self.store, self.handles = ids, {i: [] for i in ids}, []
-        dec = model.get_decoder()
-        for i in dict.fromkeys(ids):  # one hook per layer: a small model may repeat one (2, 2, 2)
-            if i == -1:
-                self.handles.append(dec.norm.register_forward_hook(
-                    lambda m, a, o, i=i: self.store[i].append(o.detach())))
-            else:
-                self.handles.append(dec.layers[i].register_forward_pre_hook(
-                    lambda m, a, kw, i=i: self.store[i].append((a[0] if a else kw["hidden_states"]).detach()),
-                    with_kwargs=True))
-
-    def take(self) -> torch.Tensor:
-        """``[B, T, F]`` with calls concatenated along time."""
-        out = torch.cat([torch.cat(self.store[i], 1) for i in self.ids], -1)
-        for i in self.store:
-            self.store[i].clear()
-        return out
-
-    def close(self):
-        for h in self.handles:
-            h.remove()
-
-
-def _left_pad(seqs, pad):
-    T = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), T), pad, dtype=torch.int64)
-    att = torch.zeros(len(seqs), T, dtype=torch.int64)
-    for i, s in enumerate(seqs):
-        ids[i, T - len(s):] = torch.tensor(s)
-        att[i, T - len(s):] = 1
-    return ids, att
 
 
 @torch.inference_mode()
@@ -142,58 +92,41 @@ def capture(model, tokenizer, cfg: TrainConfig, callback: Callable[[Progress], N
     """Stage 1: returns a list of records ``{"tokens", "features" (fp16), "labels", "prompt_len"}``."""
     stats = DataStats()
     examples = read_jsonl(cfg.data, cfg.max_examples, stats)
-    fids = _feature_ids(model, cfg.eagle3)
-    hooks = None
+    fids = feature_ids(model, "eagle3" if cfg.eagle3 else "eagle1")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     records = []
     eos = tokenizer.eos_token_id
-    try:
-        regen_n = (len(examples) if cfg.regenerate_count is None else cfg.regenerate_count) if cfg.regenerate else 0
-        # Plain-text records have no prompt to answer: they are always teacher-forced.
-        forced = [ex for ex in examples[:regen_n] if ex.text is not None] + examples[regen_n:]
-        if regen_n:
-            items = []
-            for ex in (ex for ex in examples[:regen_n] if ex.text is None):
-                ids, plen = tokenize_example(tokenizer, ex, answer="")
-                if plen + 2 > cfg.max_length:
-                    stats.skipped_too_long += 1
-                    continue
-                items.append(ids[:plen])
-            order = sorted(range(len(items)), key=lambda i: len(items[i]))
-            bs = cfg.regen_batch_size
-            for start in range(0, len(order), bs):
-                batch = [items[i] for i in order[start:start + bs]]
-                records.extend(_regenerate(model, batch, fids, cfg, eos))
-                if callback:
-                    callback(Progress("regenerate", min(start + bs, len(order)), len(order), {}))
-        if forced:
-            hooks = _Hooks(model, fids)
-            items = []
-            for ex in forced:
-                ids, plen = tokenize_example(tokenizer, ex)
-                if len(ids) > cfg.max_length:
-                    stats.skipped_too_long += 1
-                    continue
-                if len(ids) >= 3:
-                    items.append((ids, plen))
-            bs = cfg.capture_batch_size
-            for start in range(0, len(items), bs):
-                batch = items[start:start + bs]
-                ids, att = _left_pad([b[0] for b in batch], pad)
-                logits = model(input_ids=ids, attention_mask=att).logits
-                feats = hooks.take()
-                pred = logits.argmax(-1)
-                for j, (toks, plen) in enumerate(batch):
-                    off = ids.shape[1] - len(toks)
-                    labels = pred[j, off:].clone()
-                    labels[: max(plen - 1, 0)] = -100  # train on the reply (or all, for plain text)
-                    labels[-1] = -100
-                    records.append(_record(toks, feats[j, off: off + len(toks) - 1], labels, plen))
-                if callback:
-                    callback(Progress("capture", min(start + bs, len(items)), len(items), {}))
-    finally:
-        if hooks is not None:
-            hooks.close()
+    regen_n = (len(examples) if cfg.regenerate_count is None else cfg.regenerate_count) if cfg.regenerate else 0
+    # Plain-text records have no prompt to answer: they are always teacher-forced.
+    forced = [ex for ex in examples[:regen_n] if ex.text is not None] + examples[regen_n:]
+    if regen_n:
+        items = []
+        for ex in (ex for ex in examples[:regen_n] if ex.text is None):
+            ids, plen = tokenize_example(tokenizer, ex, answer="")
+            if plen + 2 > cfg.max_length:
+                stats.skipped_too_long += 1
+                continue
+            items.append(ids[:plen])
+        order = sorted(range(len(items)), key=lambda i: len(items[i]))
+        bs = cfg.regen_batch_size
+        for start in range(0, len(order), bs):
+            batch = [items[i] for i in order[start:start + bs]]
+            records.extend(_regenerate(model, batch, fids, cfg, eos))
+            if callback:
+                callback(Progress("regenerate", min(start + bs, len(order)), len(order), {}))
+    items = []
+    for ex in forced:
+        ids, plen = tokenize_example(tokenizer, ex)
+        if len(ids) > cfg.max_length:
+            stats.skipped_too_long += 1
+            continue
+        if len(ids) >= 3:
+            items.append((ids, plen))
+    bs = cfg.capture_batch_size
+    for start in range(0, len(items), bs):
+        records.extend(teacher_forced_records(model, items[start:start + bs], fids, pad))
+        if callback:
+            callback(Progress("capture", min(start + bs, len(items)), len(items), {}))
     if stats.skipped_too_long:
         log.warning("skipped %d conversations longer than max_length=%d", stats.skipped_too_long, cfg.max_length)
     if not records:
@@ -201,71 +134,10 @@ def capture(model, tokenizer, cfg: TrainConfig, callback: Callable[[Progress], N
     return records, stats
 
 
-class _Recorder(Drafter):
-    """Wraps a drafter and keeps the target features the engine hands it: prompt
-    features at start, the accepted path's at each commit. Together they are the features
-    of every position but the last, exactly what training needs."""
-
-    def __init__(self, inner: Drafter, feature_ids):
-        self.inner, self.feature_layers, self.sessions = inner, tuple(feature_ids), []
-
-    def start(self, model, ctx: DraftStart):
-        inner = self.inner.start(model, ctx)
-        feats = [[f.to(torch.float16).cpu()] for f in ctx.features]
-        rec = self
-
-        class Session(DraftSession):
-            def propose(self, requests, roots, max_depth):
-                return inner.propose(requests, roots, max_depth)
-
-            def commit(self, requests, tokens, features):
-                for r, f in zip(requests, features):
-                    feats[r].append(f.to(torch.float16).cpu())
-                inner.commit(requests, tokens, None)
-
-            def finish(self, request):
-                inner.finish(request)
-
-        rec.sessions.append(feats)
-        return Session()
-
-
 def _regenerate(model, prompts, fids, cfg: TrainConfig, eos):
     """The target's own greedy replies and the features of every position, in one pass."""
     max_new = max(1, min(cfg.regen_max_new_tokens, cfg.max_length - max(len(p) for p in prompts)))
     return generated_records(model, prompts, fids, max_new, eos, attention_backend="torch")
-
-
-def generated_records(model, prompts, fids, max_new: int, eos, *, attention_backend: str = "torch",
-                      temperature=0.0, seeds=None) -> list[dict]:
-    """Training records of the target's own replies to ``prompts``: generated in one batch
-    through treespec's engine with the features of every position recorded on the way;
-    the label after each position is the token the target wrote there. ``temperature``:
-    one for all or one per prompt (0: greedy), ``seeds`` one per prompt."""
-    from ..drafters.none import NoDrafter
-    from ..engine import generate
-
-    # No speculation: a batch of requests on a CPU is compute-bound, where every drafted
-    # token costs as much as a decoded one.
-    rec = _Recorder(NoDrafter(), fids)
-    sampled = any(t > 0 for t in temperature) if isinstance(temperature, (list, tuple)) else temperature > 0
-    out = generate(model, rec, "chain-1", prompts, max_new_tokens=max_new, eos_token_id=eos,
-                   temperature=temperature, seed=list(seeds) if sampled else None,
-                   attention_backend=attention_backend)
-    records = []
-    for prompt, gen, f in zip(prompts, out.sequences, rec.sessions[-1]):
-        toks = list(prompt) + list(gen)
-        feats = torch.cat(f)[: len(toks) - 1]
-        labels = torch.full((len(toks),), -100, dtype=torch.int64)
-        # labels[i] = the target's token after position i (= toks[i+1]).
-        labels[len(prompt) - 1: len(toks) - 1] = torch.tensor(gen)
-        records.append(_record(toks, feats, labels, len(prompt)))
-    return records
-
-
-def _record(tokens, feats, labels, plen):
-    return {"tokens": torch.tensor(tokens, dtype=torch.int64), "features": feats.to(torch.float16).cpu(),
-            "labels": labels.cpu(), "prompt_len": plen}
 
 
 # ---- vocabulary ---------------------------------------------------------------------------
@@ -438,18 +310,11 @@ def _autocast_dtype(name: str, device_type: str) -> torch.dtype | None:
     return torch.bfloat16 if default_dtype(device_type) == torch.bfloat16 else None
 
 
-def train_eagle(model, tokenizer, cfg: TrainConfig, callback: Callable[[Progress], None] | None = None) -> EagleHead:
-    """Run the whole pipeline; returns the trained head (also saved to ``cfg.out_dir``)."""
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
+def _training_records(model, tokenizer, cfg: TrainConfig, out: Path, callback) -> list[dict]:
+    """Stage 1: the records of a capture folder (``cfg.captured``), or those an earlier run left
+    in ``out``, or a new capture saved there."""
     cap_path = out / "captured.pt"
     if cfg.captured:
-        from .capture import load_shards
-
         records = load_shards(cfg.captured, eagle3=cfg.eagle3, limit=cfg.max_examples, source=cfg.captured_source,
                               final=cfg.soft_labels)
         log.info("training on %d conversations captured in %s", len(records), cfg.captured)
@@ -464,7 +329,13 @@ def train_eagle(model, tokenizer, cfg: TrainConfig, callback: Callable[[Progress
         records, stats = capture(model, tokenizer, cfg, callback)
         torch.save(records, cap_path)
         log.info("captured %d conversations in %.0f s (%s)", len(records), time.time() - t0, stats.describe())
+    return records
 
+
+def _new_head(model, tokenizer, cfg: TrainConfig, records) -> tuple[EagleHead, torch.Tensor | None]:
+    """Stage 2: a float32 head for ``model``, all its parameters trainable; with EAGLE-3 its draft
+    vocabulary from the labels of ``records`` and its output rows started from the target's.
+    Also those rows, frozen, for soft labels (``[Vd, H]``; None without soft labels)."""
     head = EagleHead.for_target(model, eagle3=cfg.eagle3, draft_vocab_size=cfg.draft_vocab_size)
     head = head.float()
     if cfg.eagle3:
@@ -483,18 +354,36 @@ def train_eagle(model, tokenizer, cfg: TrainConfig, callback: Callable[[Progress
         rows = head.lm_head.weight.detach().clone()  # the target's rows, as copied above, frozen
     for p in head.parameters():
         p.requires_grad_(True)
-    params = [p for p in head.parameters() if p.requires_grad]
+    return head, rows
 
+
+def _split(records, cfg: TrainConfig) -> tuple[list[int], list[dict]]:
+    """``(indices of the training records, validation records)``: the held-out capture folder's
+    greedy conversations (``cfg.val_captured``), else a seeded tenth of ``records`` at most."""
     rng = random.Random(cfg.seed)
     order = list(range(len(records)))
     rng.shuffle(order)
-    val_records = None
     if cfg.val_captured:
-        from .capture import load_shards
-
         val_records = load_shards(cfg.val_captured, eagle3=cfg.eagle3, greedy_only=True)[: cfg.val_examples]
-    val = [] if val_records else order[: min(cfg.val_examples, len(order) // 10)]
-    train = order[len(val):]
+        if val_records:
+            return order, val_records
+    val = order[: min(cfg.val_examples, len(order) // 10)]
+    return order[len(val):], [records[i] for i in val]
+
+
+def train_eagle(model, tokenizer, cfg: TrainConfig, callback: Callable[[Progress], None] | None = None) -> EagleHead:
+    """Run the whole pipeline; returns the trained head (also saved to ``cfg.out_dir``)."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    records = _training_records(model, tokenizer, cfg, out, callback)
+    head, rows = _new_head(model, tokenizer, cfg, records)
+    params = [p for p in head.parameters() if p.requires_grad]
+
+    train, val = _split(records, cfg)
     steps_per_epoch = math.ceil(len(train) / cfg.batch_size)
     total_steps = max(1, int(steps_per_epoch * cfg.epochs))
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
@@ -551,8 +440,8 @@ def train_eagle(model, tokenizer, cfg: TrainConfig, callback: Callable[[Progress
                 torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step,
                             "config": asdict(cfg)}, ckpt)
     head.eval()
-    if val or val_records:
-        vloss, vacc = validate(head, val_records if val_records else [records[i] for i in val], cfg.ttt_steps)
+    if val:
+        vloss, vacc = validate(head, val, cfg.ttt_steps)
         log.info("validation loss %.3f, top-1 accuracy by step %s", float(vloss), [round(a, 3) for a in vacc])
         (out / "validation.txt").write_text(
             f"loss {float(vloss):.4f}\ntop1_by_step {' '.join(f'{a:.4f}' for a in vacc)}\n")

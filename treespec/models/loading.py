@@ -1,0 +1,104 @@
+"""Loading ``(model, tokenizer)`` by registry name, local folder, local ``.gguf`` file or hub id.
+
+A registry model (:mod:`.registry`) is fetched on first use and converted once into a ready
+float32 safetensors copy in :func:`~.common.converted_dir`, which later loads read (under a
+second, against about 25 s to de-quantize SmolLM2's GGUF again). A ``.gguf`` path is read by
+``transformers``, or by treespec's reader (:mod:`.gguf_reader`) when it would trip
+``transformers``; anything else is a saved folder or a Hugging Face hub id.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from . import registry
+from .common import LoadProgress, Loaded, ModelUnavailableError, ProgressFn, converted_dir
+from .gguf_reader import open_gguf_llama, trips_transformers
+from .hf import from_transformers, no_transformers_bars, open_with_transformers
+from .registry import ModelSpec
+
+__all__ = ["load"]
+
+logger = logging.getLogger(__name__)
+
+
+def _convert(spec: ModelSpec, folder: Path, progress: ProgressFn | None) -> None:
+    """De-quantize ``spec``'s GGUF once and save it as a ready model: float32 safetensors (the
+    de-quantized values exactly, whatever dtype is asked for later) and the tokenizer."""
+    gguf = spec.locate(progress)
+    message = f"converting {gguf.name} once into a ready model in {folder}"
+    logger.info(message)
+    report = progress or (lambda p: None)
+    report(LoadProgress("convert", message, 0, 1))
+    model, tokenizer = spec.open(gguf, torch.float32)
+    partial = folder.with_name(f"{folder.name}.{os.getpid()}.part")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        with no_transformers_bars():
+            model.save_pretrained(partial)
+            tokenizer.save_pretrained(partial)
+        os.replace(partial, folder)  # atomic: a concurrent reader never sees half a folder
+    except OSError:
+        if not (folder / "config.json").is_file():  # else another process got there first
+            raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    report(LoadProgress("convert", message, 1, 1))
+
+
+def _load_named(spec: ModelSpec, dtype: torch.dtype, progress: ProgressFn | None) -> Loaded:
+    if not spec.convert:
+        return spec.open(spec.locate(progress), dtype)
+    folder = converted_dir(spec.name)
+    if not (folder / "config.json").is_file():
+        _convert(spec, folder, progress)
+    try:
+        return from_transformers(folder, dtype)
+    except (OSError, ValueError) as err:
+        raise ModelUnavailableError(
+            f"The converted copy of {spec.name} in {folder} cannot be read ({err}); delete that folder "
+            "and it is converted again on the next load"
+        ) from err
+
+
+def load(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
+         progress: ProgressFn | None = None) -> Loaded:
+    """Load ``(model, tokenizer)`` by registry name, local folder, local ``.gguf`` file or hub id.
+
+    The model comes back in eval mode with weights in ``dtype``. A registry model is fetched on
+    first use and converted once into :func:`converted_dir` (later loads read that copy);
+    ``progress``, if given, receives :class:`LoadProgress` reports of those slow first steps.
+    Raises :class:`ModelUnavailableError` when the files cannot be found or fetched.
+    """
+    key = str(name_or_path)
+    names = registry.MODELS  # looked up at each call, so that a test may stand in its own
+    if key in names:
+        return _load_named(names[key], dtype, progress)
+
+    path = Path(name_or_path).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelUnavailableError(f"No GGUF file at {path}")
+        opener = open_gguf_llama if trips_transformers(path) else open_with_transformers
+        return opener(path, dtype)
+
+    if path.is_dir():  # a saved model: transformers' own errors say what is wrong with it
+        return from_transformers(path, dtype)
+    if path.is_absolute() or key.startswith((".", "~")) or path.exists():
+        raise ModelUnavailableError(
+            f"No model folder or .gguf file at {path}. Known names: {', '.join(names)}"
+        )
+
+    try:
+        return from_transformers(key, dtype)
+    except OSError as err:
+        raise ModelUnavailableError(
+            f"Could not load {key!r}: not a known name ({', '.join(names)}), local path, or hub id "
+            f"reachable from here ({err}). Offline, download it elsewhere or set HF_HUB_OFFLINE=1 to "
+            "use the local Hugging Face cache only."
+        ) from err
