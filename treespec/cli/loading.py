@@ -76,7 +76,7 @@ def check_draft_spec(spec: str) -> None:
         return
     if spec in ("ngram", "none") or spec.startswith("model:"):
         if spec == "model:":
-            raise UserError("--draft model: needs a model name or path, e.g. model:stories260k")
+            raise UserError("--draft model: needs a model name or path, e.g. model:smollm2-135m-instruct or model:PATH")
         return
     try:
         resolve_draft(spec)
