@@ -465,3 +465,34 @@ def test_bench_bf16_where_onednn_cannot_pack_it(capsys, caplog, monkeypatch, tmp
     rc, _, err = run(capsys, *args, "--pack")
     assert rc != 0
     assert "cannot pack bfloat16" in error_line(err) and "--dtype float32" in err
+
+
+def test_generation_option_flags_reach_generate_and_every_bench_configuration(capsys, lm, lm_dir, tmp_path,
+                                                                               tiny_dataset):
+    """--repetition-penalty, --no-repeat-ngram-size and --stop change the text as HF's options
+    do, in generate; bench gives HF's baselines the same settings, so nothing mismatches."""
+    model, tok = lm
+    ids = torch.tensor([tok("Once upon a time")["input_ids"]])
+    flags = ["--repetition-penalty", "1.5", "--no-repeat-ngram-size", "2"]
+    hf = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                        repetition_penalty=1.5, no_repeat_ngram_size=2)
+    expected = tok.decode(hf[0, ids.shape[1]:], skip_special_tokens=True)
+    assert expected != greedy_text(model, tok, "Once upon a time", 16)  # the options matter here
+    rc, out, err = run(capsys, "generate", "--model", lm_dir, "--draft", "ngram", "--tree", "cpu",
+                       "--prompt", "Once upon a time", "--max-new-tokens", "16", *flags)
+    assert rc == 0, err
+    assert out.startswith(expected)
+    import re
+
+    stop = re.findall(r"[A-Za-z]{2,}", expected)[0]  # plain letters: the random model writes odd bytes too
+    rc, out, err = run(capsys, "generate", "--model", lm_dir, "--draft", "ngram", "--tree", "cpu",
+                       "--prompt", "Once upon a time", "--max-new-tokens", "16", *flags, "--stop", stop)
+    assert rc == 0, err
+    assert out.rstrip("\n").endswith(stop) and len(out.rstrip("\n")) < len(expected)
+    res = tmp_path / "r.json"
+    rc, _, err = run(capsys, "bench", "--model", lm_dir, "--dataset", str(tiny_dataset), "--prompt-field", "text",
+                     "--num-prompts", "2", "--max-new-tokens", "8", "--draft", "ngram", "--tree", "cpu",
+                     "--out", str(res), *flags)
+    assert rc == 0, err
+    data = json.loads(res.read_text())
+    assert data["mismatches"] == 0 and any("repetition_penalty=1.5" in n for n in data["notes"])

@@ -202,3 +202,25 @@ def test_a_seed_fixes_the_output_whatever_the_tree_drafter_and_batch():
     a = treespec.generate(model, "ngram", "cpu", prompt, **kw).sequences[0]
     torch.manual_seed(0)
     assert a == treespec.generate(model, drafter("twin", 2), "chain-2", prompt, **kw).sequences[0]
+
+
+def test_stop_strings_end_a_request_across_token_boundaries_as_hf_does(tmp_path):
+    from tiny import save_tiny_lm
+
+    from treespec.models import load
+
+    model, tok = load(save_tiny_lm(tmp_path / "lm", seed=3))
+    prompt = tok("Lily saw a big dog.", add_special_tokens=False)["input_ids"]
+    free = hf(model, prompt, 24, do_sample=False)
+    text = tok.decode(free)
+    stop = text[len(text) // 2: len(text) // 2 + 3]  # a piece that may straddle tokens
+    want = hf(model, prompt, 24, do_sample=False, stop_strings=[stop], tokenizer=tok)
+    assert len(want) < len(free)
+    for d in ("ngram", ModelDrafter(load(save_tiny_lm(tmp_path / "twin", seed=3))[0])):
+        got = treespec.generate(model, d, "cpu", prompt, max_new_tokens=24, stop_strings=[stop], tokenizer=tok)
+        assert got.sequences[0] == want
+        streamed = [t for step in treespec.stream(model, d, "chain-3", prompt, max_new_tokens=24, stop_strings=[stop],
+                                                  tokenizer=tok) for t in step.tokens[0]]
+        assert streamed == want
+    with pytest.raises(ValueError, match="stop_strings needs the tokenizer"):
+        treespec.generate(model, "ngram", "cpu", prompt, stop_strings=["x"])

@@ -193,7 +193,8 @@ class BenchResult:
         return sum(len(r.unexplained) for r in self.results if r.config.kind == TREESPEC)
 
 
-def _generation_config(model, max_new_tokens: int, sp: SamplingParams, lookup: int | None, compiled: bool = False):
+def _generation_config(model, max_new_tokens: int, sp: SamplingParams, lookup: int | None, compiled: bool = False,
+                       **options):
     """A GenerationConfig holding exactly our settings: the model's own generation config may
     carry sampling defaults (top_k=50, ...) that would silently change the baseline."""
     from transformers import CompileConfig, GenerationConfig
@@ -202,7 +203,7 @@ def _generation_config(model, max_new_tokens: int, sp: SamplingParams, lookup: i
     eos = mg.eos_token_id
     pad = mg.pad_token_id if mg.pad_token_id is not None else (eos[0] if isinstance(eos, list) else eos)
     kw = dict(max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad if pad is not None else 0,
-              bos_token_id=mg.bos_token_id, do_sample=not sp.greedy)
+              bos_token_id=mg.bos_token_id, do_sample=not sp.greedy, **options)
     if not sp.greedy:
         kw.update(temperature=float(sp.temperature), top_k=sp.top_k or 0, top_p=sp.top_p if sp.top_p is not None else 1.0,
                   min_p=sp.min_p)
@@ -216,19 +217,20 @@ def _generation_config(model, max_new_tokens: int, sp: SamplingParams, lookup: i
 
 
 def _run_one(model, cfg: BenchConfig, prompt: list[int], max_new_tokens: int, sp: SamplingParams,
-             seed: int | None, backend: str, fast_path=None, auto_profile=None) -> RunRecord:
+             seed: int | None, backend: str, fast_path=None, auto_profile=None, options=None, tokenizer=None) -> RunRecord:
     with fast_path if (fast_path is not None and cfg.fast) else contextlib.nullcontext():
-        return _run_one_inner(model, cfg, prompt, max_new_tokens, sp, seed, backend, auto_profile)
+        return _run_one_inner(model, cfg, prompt, max_new_tokens, sp, seed, backend, auto_profile, options or {},
+                              tokenizer)
 
 
 def _run_one_inner(model, cfg: BenchConfig, prompt: list[int], max_new_tokens: int, sp: SamplingParams,
-                   seed: int | None, backend: str, auto_profile=None) -> RunRecord:
+                   seed: int | None, backend: str, auto_profile, options: dict, tokenizer) -> RunRecord:
     if cfg.kind == TREESPEC:
         t0 = time.perf_counter()
         out = ts_generate(
             model, cfg.drafter, cfg.tree, prompt, max_new_tokens=max_new_tokens,
             temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p,
-            seed=seed, attention_backend=backend, auto_profile=auto_profile,
+            seed=seed, attention_backend=backend, auto_profile=auto_profile, tokenizer=tokenizer, **options,
         )
         seconds = time.perf_counter() - t0
         m = out.metrics
@@ -240,13 +242,14 @@ def _run_one_inner(model, cfg: BenchConfig, prompt: list[int], max_new_tokens: i
         return RunRecord(list(out.sequences[0]), seconds, summary)
 
     gc = _generation_config(model, max_new_tokens, sp, cfg.lookup_tokens if cfg.kind == HF_LOOKUP else None,
-                            compiled=cfg.compiled)
+                            compiled=cfg.compiled, **options)
     ids = torch.tensor([prompt], device=model.device)  # [1, L]
     if seed is not None:
         torch.manual_seed(seed)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc,
+                             **({"tokenizer": tokenizer} if gc.stop_strings else {}))
     seconds = time.perf_counter() - t0
     return RunRecord(out[0, ids.shape[1]:].tolist(), seconds)
 
@@ -268,6 +271,8 @@ def run_bench(
     fast_path=None,
     near_tie_tolerance: float | None = None,
     auto_profile=None,
+    options: dict | None = None,
+    tokenizer=None,
 ) -> BenchResult:
     """Run every configuration on every prompt (configurations inner, prompts outer).
 
@@ -290,13 +295,20 @@ def run_bench(
                   from (each auto configuration learns into its own copy, across its
                   warm-up and prompts); None: a fresh one each (cost curve from the disk cache,
                   calibrations the draft's own or else the prior).
+        options:  generation options (GenerationConfig fields: ``repetition_penalty``, ...),
+                  given to every configuration alike, HF's baselines included.
+        tokenizer: for ``stop_strings`` among the options (transformers needs it too).
     """
     sp = SamplingParams(temperature, top_k, top_p, min_p)
+    gen = dict(options=dict(options or {}), tokenizer=tokenizer)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if not prompts:
         raise ValueError("run_bench needs at least one prompt")
     results, notes = _results(configs, sp)
+    if gen["options"]:
+        notes.append("generation options, for every configuration: "
+                     + ", ".join(f"{k}={v!r}" for k, v in sorted(gen["options"].items())))
     active = [r for r in results if r.skipped is None]
     profiles = _auto_profiles(model, active, auto_profile)
     dtype = next(model.parameters()).dtype
@@ -306,7 +318,7 @@ def run_bench(
     if warmup:  # first calls run several times slower (allocations, kernel selection)
         for i, r in enumerate(active):
             _run_one(model, r.config, list(prompts[0][:16]), min(16, max_new_tokens), sp, seed, attention_backend,
-                     fast_path, profiles.get(r.config.name))
+                     fast_path, profiles.get(r.config.name), **gen)
             if callback:
                 callback(BenchProgress("warmup", i + 1, len(active), r.config.name))
 
@@ -316,7 +328,7 @@ def run_bench(
             if callback:
                 callback(BenchProgress("prompts", i, len(prompts), r.config.name))
             rec = _run_one(model, r.config, list(prompt), max_new_tokens, sp, s, attention_backend, fast_path,
-                           profiles.get(r.config.name))
+                           profiles.get(r.config.name), **gen)
             r.runs.append(rec)
             log.info("prompt %d %s: %d tokens, %.1f tokens/s", i, r.config.name, len(rec.tokens), rec.tokens_per_second)
             if sp.greedy and r is not results[0] and rec.tokens != results[0].runs[i].tokens:

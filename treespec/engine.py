@@ -24,6 +24,7 @@ from typing import Iterator, Mapping, Sequence
 import numpy as np
 import torch
 from transformers import GenerationConfig
+from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .auto import AutoController, AutoProfile
 from .config import TreeConfig
@@ -273,7 +274,7 @@ def _seeds(seed, n: int) -> list[int]:
 
 
 def _decodings(model, prompts: list[list[int]], eos: set[int], max_new: int, temperature, top_k, top_p, min_p, seed,
-               generation_config, logits_processor, options: dict) -> list[RequestDecoding]:
+               generation_config, logits_processor, tokenizer, options: dict) -> list[RequestDecoding]:
     """Each request's processors and seed, from treespec's keyword arguments (exactly the
     options given) or from a ``generation_config`` (transformers' semantics: the model's
     generation config and transformers' defaults under it)."""
@@ -297,11 +298,17 @@ def _decodings(model, prompts: list[list[int]], eos: set[int], max_new: int, tem
             fields[p] = exact_generation_config(model, eos_token_id=sorted(eos) or None, **warpers, **options)
         configs = [fields[p] for p in params]
     seeds = _seeds(seed, n)
+    stop = None
+    if configs[0].stop_strings:
+        if tokenizer is None:
+            raise ValueError("stop_strings needs the tokenizer (tokenizer=...), as model.generate does")
+        stop = StopStringCriteria(tokenizer, configs[0].stop_strings)
     out = []
     for c, p, s in zip(configs, prompts, seeds):
         c = copy.copy(c)
         c.max_length = len(p) + max_new  # where forced_eos_token_id forces EOS, as generate sets it
-        out.append(RequestDecoding(NodeProcessor.build(model, c, len(p), logits_processor), s if c.do_sample else None))
+        out.append(RequestDecoding(NodeProcessor.build(model, c, len(p), logits_processor),
+                                   s if c.do_sample else None, stop))
     return out
 
 
@@ -338,6 +345,7 @@ def stream(
     auto_profile=None,
     generation_config=None,
     logits_processor=None,
+    tokenizer=None,
     **options,
 ) -> Iterator[StepOutput]:
     """Decode with tree speculation, yielding the tokens each step commits.
@@ -355,12 +363,13 @@ def stream(
     """
     run, max_new = _checked_run(model, draft, tree_cfg, input_ids, max_new_tokens, temperature, top_k, top_p, min_p,
                                 seed, eos_token_id, attention_backend, auto_profile, generation_config,
-                                logits_processor, options)
+                                logits_processor, tokenizer, options)
     yield from _loop(*run, max_new=max_new, page_size=page_size, auto_profile=auto_profile)
 
 
 def _checked_run(model, draft, tree_cfg, input_ids, max_new_tokens, temperature, top_k, top_p, min_p, seed,
-                 eos_token_id, attention_backend, auto_profile, generation_config, logits_processor, options: dict):
+                 eos_token_id, attention_backend, auto_profile, generation_config, logits_processor, tokenizer,
+                 options: dict):
     """Every argument check of :func:`stream`, in the order a user meets them; returns what
     the loop runs on, ``(runner, drafter, cfg, prompts, decodings, eos)``, and the token budget."""
     if generation_config is not None and not isinstance(generation_config, GenerationConfig):
@@ -380,7 +389,7 @@ def _checked_run(model, draft, tree_cfg, input_ids, max_new_tokens, temperature,
         eos_token_id = generation_config.eos_token_id
     eos = _eos_set(model, eos_token_id)
     decodings = _decodings(model, prompts, eos, max_new_tokens, temperature, top_k, top_p, min_p, seed, generation_config,
-                           logits_processor, options)
+                           logits_processor, tokenizer, options)
     if cfg.auto and len({d.greedy for d in decodings}) > 1:
         raise ValueError(
             "an auto tree calibrates greedy and sampled acceptance separately: give one batch one "
@@ -520,7 +529,11 @@ def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts: list[
         cache, seqs = runner.new_rows_cache(B, max(len(p) for p in prompts) + max_new + max_nodes + 1, page_size)
         with timer("prefill"):
             first, features = _prefill(runner, cache, seqs, prompts, decodings)
-        generated, done = [[t] for t in first], [t in eos or max_new == 1 for t in first]
+        def ends(b: int, sequence: list[int]) -> bool:  # EOS, or a stop string completed
+            return sequence[-1] in eos or decodings[b].stops(sequence)
+
+        sequences = [p + [t] for p, t in zip(prompts, first)]  # what the processors and stop strings read
+        generated, done = [[t] for t in first], [ends(b, s) or max_new == 1 for b, s in enumerate(sequences)]
         metrics.record_first_tokens()
         yield StepOutput(0, [[t] for t in first], list(done), timer.total())
         with timer("draft"):
@@ -541,9 +554,9 @@ def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts: list[
                 trees = _draft(drafter, session, auto, timer, active, roots, depth, room)
             with timer("verify"):
                 out = _tree_forward(runner, cache, [seqs[b] for b in active], trees, prefix)
-                verdicts = _verify(trees, out.logits, [decodings[b] for b in active],
-                                   [prompts[b] + generated[b] for b in active])
-                tokens, kept = _commit(verdicts, out.features, active, cache, seqs, generated, done, eos, max_new)
+                verdicts = _verify(trees, out.logits, [decodings[b] for b in active], [sequences[b] for b in active])
+                tokens, kept = _commit(verdicts, out.features, active, cache, seqs, sequences, generated, done, ends,
+                                       max_new)
                 auto.learn(trees, [v.path for v in verdicts])
                 metrics.record_step(active, trees, tokens)
                 watch.record(trees, sum(len(t) - 1 for t in tokens))
@@ -570,7 +583,7 @@ def _prefill(runner: ModelRunner, cache, seqs: list[int], prompts: list[list[int
     )
     for s, p in zip(seqs, prompts):
         cache.commit(s, torch.arange(len(p)))
-    first = [int(d.choose(torch.tensor(p), logits)[0]) for d, p, logits in zip(decodings, prompts, out.logits)]
+    first = [int(d.choose(p, logits)[0]) for d, p, logits in zip(decodings, prompts, out.logits)]
     return first, out.features
 
 
@@ -613,21 +626,23 @@ def _tree_forward(runner: ModelRunner, cache, seqs: list[int], trees: list[Tree]
 
 
 def _commit(verdicts: list[Verdict], features: list[torch.Tensor] | None, active: list[int], cache,
-            seqs: list[int], generated: list[list[int]], done: list[bool], eos: set[int],
-            max_new: int) -> tuple[list[list[int]], list[torch.Tensor] | None]:
-    """Keep each verdict's tokens up to the budget and the first EOS, commit the K/V of the
-    root and accepted nodes they came from, and mark the requests that ended. Returns the
+            seqs: list[int], sequences: list[list[int]], generated: list[list[int]], done: list[bool],
+            ends, max_new: int) -> tuple[list[list[int]], list[torch.Tensor] | None]:
+    """Keep each verdict's tokens up to the budget and the first end (``ends``), commit the K/V of
+    the root and accepted nodes they came from, and mark the requests that ended. Returns the
     tokens per active request and, when ``features`` were captured, each one's features at
-    those nodes (``[len(tokens_i), F]``, for the drafter)."""
+    those nodes (``[len(tokens_i), F]``, for the drafter). ``sequences``: each request's prompt
+    and output so far, extended here."""
     tokens, kept = [], []
     for i, (b, v) in enumerate(zip(active, verdicts)):
         toks = v.tokens[: max_new - len(generated[b])]
-        hit = next((j for j, t in enumerate(toks) if t in eos), None)
+        hit = next((j for j in range(len(toks)) if ends(b, sequences[b] + toks[: j + 1])), None)
         if hit is not None:
             toks = toks[: hit + 1]
         path = torch.tensor(v.path[: len(toks)])  # the root and the accepted nodes whose KV is kept
         cache.commit(seqs[b], cache.seq_lens[seqs[b]] + path)
         generated[b].extend(toks)
+        sequences[b].extend(toks)
         done[b] = hit is not None or len(generated[b]) >= max_new
         tokens.append(toks)
         if features is not None:
@@ -659,7 +674,7 @@ def _verify(trees: list[Tree], logits: list[torch.Tensor], decodings: Sequence[R
     n = max(t.num_nodes for t in trees)
     choice = torch.zeros(len(trees), n, dtype=torch.int64, device=logits[0].device)
     for i, (t, l, d, h) in enumerate(zip(trees, logits, decodings, histories)):
-        choice[i, : l.shape[0]] = d.choose(torch.tensor(h), l, t)
+        choice[i, : l.shape[0]] = d.choose(h, l, t)
     return verify_greedy(trees, choice)
 
 
@@ -680,6 +695,7 @@ def generate(
     auto_profile=None,
     generation_config=None,
     logits_processor=None,
+    tokenizer=None,
     **options,
 ) -> GenerateOutput:
     """Generate with tree speculation; same output as ``model`` alone.
@@ -739,7 +755,7 @@ def generate(
         model, draft, tree_cfg, input_ids, max_new_tokens=max_new_tokens, temperature=temperature,
         top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, eos_token_id=eos_token_id,
         attention_backend=attention_backend, auto_profile=auto_profile, generation_config=generation_config,
-        logits_processor=logits_processor, **options,
+        logits_processor=logits_processor, tokenizer=tokenizer, **options,
     ):
         for s, t in zip(seqs, out.tokens):
             s.extend(t)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from transformers import GenerationConfig
@@ -188,26 +188,34 @@ class RequestDecoding:
         processor: the request's processors (warpers included when it samples).
         seed:      None: greedy (the argmax of the processed logits); else the seed of the
                    noise that makes each position's choice a sample.
+        stop:      None, or a callable ``(input_ids [1, L], scores) -> bool [1]`` that says the
+                   sequence ends here (transformers' ``StopStringCriteria``).
     """
 
     processor: NodeProcessor
     seed: int | None = None
+    stop: Callable | None = None  # transformers' StopStringCriteria for stop_strings
 
     @property
     def greedy(self) -> bool:
         return self.seed is None
 
-    def choose(self, history: torch.Tensor, logits: torch.Tensor, tree: Tree | None = None) -> torch.Tensor:
+    def stops(self, sequence: list[int]) -> bool:
+        """Whether ``sequence`` (prompt and output so far) ends with one of the stop strings,
+        across token boundaries, as ``generate(stop_strings=...)`` decides."""
+        return self.stop is not None and bool(self.stop(torch.tensor([sequence]), None)[0])
+
+    def choose(self, history: Sequence[int], logits: torch.Tensor, tree: Tree | None = None) -> torch.Tensor:
         """int64 ``[n]``: the target's token after each node (after the history alone when
         ``tree`` is None, ``logits`` then ``[1, V]``): its argmax, or its sample at that position.
 
         Args:
-            history: int64 ``[L]``, the committed tokens (the tree's root last).
+            history: the committed tokens (the tree's root last).
             logits:  ``[n, V]``, the target's logits at each node.
         """
         if self.greedy and not self.processor:
             return logits.argmax(-1)  # in the logits' own dtype: widening to fp32 would pick the same
-        scores = self.processor(history, logits, tree)
+        scores = self.processor(torch.as_tensor(history, dtype=torch.int64), logits, tree)
         if not self.greedy:
             # A node at depth d chooses the token at position L + d, whatever tree it is in.
             depth = tree.depth if tree is not None else torch.zeros(1, dtype=torch.int64)

@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 from .common import (DEFAULT_DRAFT, DEFAULT_SPEC, DEFAULT_TREE, Bars, UserError, add_auto_profile, add_dataset,
-                     add_model, add_runtime, add_sampling, auto_profile, log, portable)
+                     add_model, add_runtime, add_sampling, auto_profile, generation_options, log,
+                     portable)
 
 # The configurations run when none is asked for: generate's default (the hybrid with auto
 # trees), the hybrid's chain-3 and the head alone with auto, the three to compare on a new
@@ -121,7 +122,8 @@ def run(args):
                 postfix=lambda p: p.config)
     res = run_bench(loaded.model, prompts, configs, max_new_tokens=args.max_new_tokens, temperature=sp.temperature,
                     top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p, seed=args.seed, warmup=args.warmup,
-                    attention_backend=args.backend, callback=bars, fast_path=loaded.fast, auto_profile=profile)
+                    attention_backend=args.backend, callback=bars, fast_path=loaded.fast, auto_profile=profile,
+                    options=generation_options(args), tokenizer=loaded.tokenizer)
     bars.close()
     data = to_json(res, command="treespec " + shlex.join(portable(a) for a in args.argv), model=args.model,
                    dataset=portable(args.dataset), prompt_format=fmt)

@@ -69,7 +69,26 @@ def add_sampling(p, seed=None):
     g.add_argument("--min-p", type=float, default=None)
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--seed", type=int, default=seed,
-                   help="sampling seed" + (" (prompt i uses seed + i; default: %(default)s)" if seed is not None else ""))
+                   help="sampling seed: fixes the output whatever the tree and drafter"
+                        + (" (prompt i uses seed + i; default: %(default)s)" if seed is not None else ""))
+    g = p.add_argument_group("generation options (transformers' semantics, exact at every tree node; "
+                             "docs/generation.md)")
+    g.add_argument("--repetition-penalty", type=float, default=None, metavar="X",
+                   help="divide (multiply if negative) the logits of tokens already in the sequence by X")
+    g.add_argument("--no-repeat-ngram-size", type=int, default=None, metavar="N",
+                   help="never repeat an n-gram of N tokens")
+    g.add_argument("--min-new-tokens", type=int, default=None, metavar="N", help="no EOS before N new tokens")
+    g.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="end the answer when the text ends with TEXT (across token boundaries; repeatable)")
+
+
+def generation_options(args) -> dict:
+    """The generation-option flags that were given, as GenerationConfig fields."""
+    opts = {"repetition_penalty": getattr(args, "repetition_penalty", None),
+            "no_repeat_ngram_size": getattr(args, "no_repeat_ngram_size", None),
+            "min_new_tokens": getattr(args, "min_new_tokens", None),
+            "stop_strings": getattr(args, "stop", None)}
+    return {k: v for k, v in opts.items() if v is not None}
 
 
 def add_runtime(p, *, device: str = "auto", dtype: str = "auto", pack: bool | None = None):

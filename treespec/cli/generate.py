@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 from .common import (DEFAULT_SPEC, DEFAULT_TREE, DRAFT_HELP, add_auto_profile, add_model, add_prompt_source,
-                     add_runtime, add_sampling, auto_profile, log, prompt_ids)
+                     add_runtime, add_sampling, auto_profile, generation_options, log, prompt_ids)
 
 
 def add_arguments(p):
@@ -47,7 +47,8 @@ def run(args):
         with loaded.packed():
             for out in stream(loaded.model, drafter, cfg, loaded.prompts, max_new_tokens=args.max_new_tokens,
                               temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p,
-                              seed=args.seed, attention_backend=args.backend, auto_profile=profile):
+                              seed=args.seed, attention_backend=args.backend, auto_profile=profile,
+                              tokenizer=loaded.tokenizer, **generation_options(args)):
                 text.push(out.tokens[0])
                 metrics = out.metrics
     except KeyboardInterrupt:
