@@ -88,3 +88,39 @@ def test_pyproject_package_data_carries_every_data_file():
     assert len(licences) == 4
     for f in files:
         assert any(fnmatch.fnmatch(f, pat) for pat in patterns), f"{f} would be left out of a wheel"
+
+
+# Absolute folders and user names: a shipped file must read the same on every machine (issue 31:
+# the stdlib-code prompts carried the path of the interpreter that built them).
+MACHINE_PATHS = re.compile(rb"/root/|/home/|/tmp/|/work/|/usr/|/Users/|/opt/|C:\\\\|C:\\(?![nrt])")
+# (JSON writes C:\ as C:\\; a lone C:\ counts unless it starts an escape: "class C:\n" is code)
+
+
+def shipped_files():
+    for folder in ("data", "assets"):
+        for f in sorted((ROOT / "treespec" / folder).rglob("*")):
+            if f.is_file() and "__pycache__" not in f.parts and f.suffix not in (".py", ".pyc"):
+                yield f
+
+
+def test_shipped_data_holds_no_machine_paths():
+    import os
+
+    here = [p.encode() for p in {str(Path.home()), sys.prefix, sys.base_prefix, os.getcwd(), str(ROOT)}
+            if len(p) > 4]  # this machine's own folders too, wherever they are
+    files = list(shipped_files())
+    assert {f.name for f in files} >= {"stdlib_code.jsonl.gz", "model.safetensors", "auto-profile.json"}
+    found = []
+    for f in files:
+        raw = f.read_bytes()
+        if f.suffix == ".gz":
+            raw = gzip.decompress(raw)
+        hits = [m.group() for m in MACHINE_PATHS.finditer(raw)] + [p for p in here if p in raw]
+        found += [f"{f.relative_to(ROOT)}: {h!r}" for h in hits]
+    assert not found, found
+
+
+def test_the_scan_finds_a_path():
+    assert MACHINE_PATHS.search(b"architecture(executable='/root/.pyenv/versions/3.11.7/bin/python')")
+    assert MACHINE_PATHS.search(b"C:\\Users") and MACHINE_PATHS.search(b'"C:\\\\Users"')
+    assert not MACHINE_PATHS.search(b"a / b, https://github.com/openai/human-eval, class C:\\n")

@@ -40,12 +40,43 @@ def test_chat_prompts_are_the_shipped_ones_and_the_eval_set_is_held_out():
     assert not any(t.split("{topic}")[0] in r["prompt"] for t in EVAL_TEMPLATES for r in train)
 
 
-def test_stdlib_code_prompts_are_the_shipped_ones():
+ELSEWHERE = "/opt/a-much-longer-folder-than-any-ci-uses/user-venv/bin/python3"
+
+
+def test_stdlib_code_prompts_are_the_shipped_ones(monkeypatch):
+    """Built as a user's venv whose interpreter lives elsewhere builds them: the shipped set
+    carried the path of the interpreter that made it (``architecture(executable=...)``), so the
+    test passed only on that interpreter (issue 31)."""
+    import platform
+
     shipped = data.load_dataset("stdlib-code")
     assert len(shipped) == 3168 and {r["kind"] for r in shipped} == {"write", "howto", "explain"}
     if shipped[0]["python"] != "%d.%d.%d" % sys.version_info[:3]:
         pytest.skip(f"the shipped set was made with Python {shipped[0]['python']}: docstrings differ by version")
+    monkeypatch.setattr(sys, "executable", ELSEWHERE)
+    monkeypatch.setattr(platform.architecture, "__defaults__", (ELSEWHERE, "", ""))  # bound at import
     assert stdlib_code_prompts() == shipped
+    (row,) = [r for r in shipped if r["source"] == "platform.architecture" and r["kind"] == "write"]
+    assert "`architecture(executable=sys.executable, bits='', linkage='')`" in row["prompt"]
+
+
+@pytest.mark.parametrize("default, shown", [
+    (ELSEWHERE, "sys.executable"),
+    ("/srv/someone/data/file.txt", "..."),
+    ("C:\\Users\\someone\\x.ini", "..."),
+    ("~/notes.txt", "..."),
+    ("/", "'/'"),  # a separator, not a machine's folder
+    ("utf-8", "'utf-8'"),
+])
+def test_signature_defaults_that_name_a_machines_folders_are_replaced(monkeypatch, default, shown):
+    from treespec.train.prompts import _signature
+
+    monkeypatch.setattr(sys, "executable", ELSEWHERE)
+
+    def f(path=default, n=1):
+        pass
+
+    assert _signature(f) == f"(path={shown}, n=1)"
 
 
 def test_training_prompts_share_no_text_with_the_evaluation_sets():

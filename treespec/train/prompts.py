@@ -76,13 +76,51 @@ def _first_sentence(doc: str) -> str | None:
     return s
 
 
+class _Source(str):
+    """A default written as the expression it came from (``sys.executable``), not its value."""
+
+    def __repr__(self):
+        return str(self)
+
+
+def _machine_values() -> dict[str, str]:
+    """Values that name this machine's folders, each with the expression a signature shows
+    instead: ``platform.architecture(executable=sys.executable)`` must not ship the path of
+    the interpreter that built the prompts (issue 31)."""
+    import os
+    import tempfile
+
+    named = {"sys.executable": [sys.executable, getattr(sys, "_base_executable", None)],
+             "sys.prefix": [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix],
+             "os.getcwd()": [os.getcwd()], "tempfile.gettempdir()": [tempfile.gettempdir()],
+             "os.path.expanduser('~')": [os.path.expanduser("~")]}
+    return {v: expr for expr, values in named.items() for v in values if v}
+
+
+# An absolute path of two components or more (POSIX or Windows), a home folder: machine-specific.
+_PATH = re.compile(r"^(/[^/\s]+/|~/|[A-Za-z]:\\)")
+
+
+def _portable_default(default):
+    """``default`` as a signature may ship it: a value naming this machine's folders becomes
+    the expression it came from, any other absolute path ``...``."""
+    if not isinstance(default, str):
+        return default
+    expr = _machine_values().get(default)
+    if expr is not None:
+        return _Source(expr)
+    return _Source("...") if _PATH.match(default) else default
+
+
 def _signature(obj) -> str | None:
     try:
-        sig = str(inspect.signature(obj))
+        sig = inspect.signature(obj)
     except (TypeError, ValueError):
         return None
+    sig = sig.replace(parameters=[p.replace(default=_portable_default(p.default)) for p in sig.parameters.values()])
+    text = str(sig)
     # A default shown as ``<object at 0x...>`` changes every run and reads as noise.
-    return sig if len(sig) <= 80 and "<" not in sig else None
+    return text if len(text) <= 80 and "<" not in text else None
 
 
 def _objects(modname: str):
