@@ -166,3 +166,20 @@ def test_fence_parsing_and_no_run():
         run_blocks([Block("t.md", 1, ">>> 1 + 1\n3\n", True)])
     with pytest.raises(NameError):
         run_blocks([Block("t.md", 1, "undefined_name()\n", True)])
+
+
+CPU_INDEX = "--index-url https://download.pytorch.org/whl/cpu"
+
+
+def test_torch_install_lines_name_the_cpu_index():
+    """A plain ``pip install torch==X`` from PyPI is the CUDA build on Linux (a 527 MB wheel and
+    about 20 nvidia packages, issue 31): every command that installs torch names PyTorch's CPU
+    index, and the README says what CUDA users do instead."""
+    lines = [(p.name, ln) for p in [*DOC_FILES, ROOT / ".ci" / "run"] for ln in p.read_text().splitlines()
+             if re.match(r"\s*(python -m )?pip install (--quiet )?torch", ln)]  # commands, not prose
+    assert any(name == "README.md" for name, _ in lines)
+    readme_or_docs = [(n, ln) for n, ln in lines if n != "run"]
+    assert all(CPU_INDEX in ln for _, ln in readme_or_docs), readme_or_docs
+    assert any(CPU_INDEX in ln for n, ln in lines if n == "run")  # .ci/run, where no local wheel is offered
+    readme = (ROOT / "README.md").read_text()
+    assert "installs the **CUDA** build" in readme and "**CUDA:** bring your own torch build" in readme
