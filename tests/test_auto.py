@@ -356,7 +356,7 @@ def test_cost_cache_round_trip_and_keys(monkeypatch, tmp_path):
     assert len(list((tmp_path / "costs").glob("*.json"))) == 2
 
 
-def test_profile_takes_this_settings_curve(monkeypatch, tmp_path, caplog):
+def test_profile_takes_this_settings_curve(monkeypatch, tmp_path):
     """A profile's curve from another setting is replaced (the calibration is kept); one
     without a key (a synthetic curve) or with this setting's key is used as is."""
     monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
@@ -371,10 +371,107 @@ def test_profile_takes_this_settings_curve(monkeypatch, tmp_path, caplog):
     assert mine.costs == MID
     foreign = AutoProfile(costs=MID, keys={"costs": {**key, "dtype": "bfloat16"}})
     foreign.greedy.observe([-0.1], [1])
-    foreign.prepare(runner, 9)
+    with pytest.warns(treespec.TreespecWarning, match="another setting .*dtype"):
+        foreign.prepare(runner, 9)
     assert foreign.costs == CostCurve((1, 9), (1.0, 2.0)) and foreign.keys["costs"] == key
     assert foreign.greedy.num_observed == 1
-    assert "another setting" in caplog.text and "dtype" in caplog.text
+
+
+# ---- the first-use measurement on a fake clock (issue 31) ---------------------------------
+
+
+class FakeClock:
+    """Time that moves only when a forward "runs": ``cost(q, call)`` seconds for q tokens."""
+
+    def __init__(self, cost):
+        self.now, self.cost, self.calls = 0.0, cost, 0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def timed(self, runner):
+        """``runner`` whose forwards advance this clock (the tiny model's real forward runs)."""
+        real = runner.forward
+
+        def forward(cache, seqs, toks, *a, **k):
+            self.calls += 1
+            self.now += self.cost(len(toks[0]), self.calls)
+            return real(cache, seqs, toks, *a, **k)
+
+        runner.forward = forward
+        return runner
+
+
+def idle(q, call):  # 30 ms plus 1 ms a token, every time
+    return 0.030 + 0.001 * q
+
+
+def busy(q, call):  # the same forward waits a whole time slice or three, at random
+    return idle(q, call) * (1, 4, 2, 7, 3)[call % 5]
+
+
+def test_measurement_takes_seconds_and_stops_at_its_budget():
+    clock = FakeClock(idle)
+    runner = clock.timed(ModelRunner(tiny_model("llama", 0)))
+    with runner.attached():
+        curve = measure_cost_curve(runner, 43, clock=clock)
+    sizes = len(curve.tokens)
+    assert curve.tokens == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 43)
+    assert curve.seconds == pytest.approx([idle(q, 0) for q in curve.tokens])
+    assert clock.calls == 2 + costs_mod.REPEATS * sizes  # the prefix, a warm-up, five rounds
+    assert clock.now < 3.0 and curve.spread == pytest.approx(0.0)
+
+    slow = FakeClock(lambda q, call: 2.28)  # a forward as slow as on the busy machine of issue 31
+    runner = slow.timed(ModelRunner(tiny_model("llama", 0)))
+    with runner.attached():
+        curve = measure_cost_curve(runner, 43, clock=slow)
+    assert slow.calls == 2 + sizes  # one round, then the budget has gone: 30 s, not 148 s
+    assert curve.spread == float("inf")  # nothing to compare: not to be cached
+
+
+@pytest.mark.parametrize("cost, cached", [(idle, True), (busy, False)])
+def test_a_noisy_measurement_is_not_cached(monkeypatch, tmp_path, caplog, cost, cached):
+    import functools
+
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
+    clock = FakeClock(cost)
+    monkeypatch.setattr(costs_mod, "measure_cost_curve", functools.partial(measure_cost_curve, clock=clock))
+    runner = clock.timed(ModelRunner(tiny_model("llama", 0)))
+    with caplog.at_level("INFO", logger="treespec.costs"), runner.attached():
+        cached_cost_curve(runner, 9)
+        calls = clock.calls
+        cached_cost_curve(runner, 9)  # read back, or measured again
+    assert len(list((tmp_path / "costs").glob("*.json"))) == int(cached)
+    assert (clock.calls == calls) == cached
+    said = [r.getMessage() for r in caplog.records]
+    assert said[0].startswith("measuring what a verify forward of 1 to 9 tokens costs here")  # before it starts
+    assert any("mostly noise" in m and "not cached" in m for m in said) == (not cached)
+
+
+def test_a_cached_curve_the_steps_contradict_is_measured_again(monkeypatch, tmp_path, caplog):
+    """A curve measured on a busy machine (2.28 s a forward) and steps that take 50 ms, forward
+    and all: after the first steps the curve leaves the disk cache, and the next generation
+    measures again; a curve the steps agree with stays."""
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
+    measured = [CostCurve((1, 64), (2.28, 2.5), spread=0.05), CostCurve((1, 64), (0.04, 0.06), spread=0.05)]
+    monkeypatch.setattr(costs_mod, "measure_cost_curve", lambda runner, q: measured.pop(0))
+    runner = ModelRunner(tiny_model("llama", 0))
+    files = lambda: list((tmp_path / "costs").glob("*.json"))  # noqa: E731
+    profile = AutoProfile()
+    profile.prepare(runner, 17)
+    assert profile.costs.seconds == (2.28, 2.5) and len(files()) == 1
+    ctl = AutoController(profile, 16, 4, greedy=True)
+    with caplog.at_level("WARNING", logger="treespec.auto"):
+        for step in range(6):
+            ctl.end_step(17, 0.05)
+            assert len(files()) == (1 if step < 4 else 0)  # judged after five steps
+    assert "measured while other work slowed the machine" in caplog.text
+    profile.prepare(runner, 17)  # the next generation
+    assert profile.costs.seconds == (0.04, 0.06) and len(files()) == 1 and not measured
+    ctl = AutoController(profile, 16, 4, greedy=True)
+    for _ in range(10):
+        ctl.end_step(17, 0.07)  # a step a little dearer than its forward: as it should be
+    assert len(files()) == 1 and "costs_contradicted" not in profile.keys
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
@@ -486,6 +583,7 @@ def test_profile_learns_across_calls_and_fixed_configs_record_sizes():
 
 def test_auto_without_a_profile_uses_the_disk_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(costs_mod, "MAX_SPREAD", float("inf"))  # cached however busy the test machine is
     model = tiny_model("llama", 1)
     out = treespec.generate(model, NgramDrafter(), TreeConfig.auto(2, 2, 4), PROMPTS, max_new_tokens=6)
     assert out.sequences == [hf_greedy(model, p, 6) for p in PROMPTS]

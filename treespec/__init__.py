@@ -27,12 +27,13 @@ _EXPORTS = {
     "SamplingParams": ".sampling",
     "load_draft": ".drafters.eagle",
     "AutoProfile": ".auto",
+    "TreespecWarning": ".warn",
 }
 
 __all__ = [
     "Tree", "TreeConfig", "PRESETS", "Preset", "pack_mask", "unpack_mask", "generate", "stream",
     "GenerateOutput", "SpecMetrics", "RequestMetrics", "StepOutput", "SamplingParams", "load_draft",
-    "AutoProfile",
+    "AutoProfile", "TreespecWarning",
 ]
 
 if TYPE_CHECKING:
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from .mask import pack_mask, unpack_mask
     from .sampling import SamplingParams
     from .tree import Tree
+    from .warn import TreespecWarning
 
 
 def __getattr__(name: str):

@@ -55,8 +55,9 @@ import numpy as np
 import torch
 
 from .calibration import Calibration
-from .costs import CostCurve, cached_cost_curve, cost_key
+from .costs import CostCurve, cached_cost_curve, cost_key, drop_cached_cost_curve
 from .tree import Tree
+from .warn import warn
 
 __all__ = ["HEAD_PROFILE", "AutoProfile", "AutoController", "choice_order", "node_probs", "best_sizes",
            "keep_drafting", "choose_tree", "choose_trees"]
@@ -66,6 +67,11 @@ log = logging.getLogger(__name__)
 LEVEL_EMA = 0.2  # weight of the newest measurement of one level's draft time
 OVERHEAD_EMA = 0.1  # weight of the newest step's measured overhead
 RATE_EMA = 0.05  # least weight of the newest step in the achieved rate ("rate" objective)
+# A step holds its verify forward, so steps that take less than half of what the curve says
+# that forward costs (the median of the first JUDGE_STEPS) contradict the curve: it was measured
+# while other work slowed the machine (2.28 s a forward that takes 40 ms, issue 31).
+JUDGE_STEPS = 5
+CONTRADICTED = 0.5
 #: A head directory's ``auto`` profile (written by ``treespec tune --out``): its calibrations
 #: are where ``auto`` starts for that head when no profile is given; its cost curve, measured
 #: on some other machine, is not used.
@@ -302,8 +308,10 @@ class AutoProfile:
         if other:
             # A curve from another dtype, thread count or machine would mislead every choice;
             # the calibration describes the pair and still applies.
-            log.warning("this auto profile's cost curve was measured for another setting (%s): using this "
-                        "setting's curve instead (disk cache, else measured)", _diff(self.keys["costs"], key))
+            warn(f"this auto profile's cost curve was measured for another setting ({_diff(self.keys['costs'], key)}): "
+                 "using this setting's curve instead (disk cache, else measured)")
+        # An earlier generation's steps contradicted the curve (AutoController): measure again.
+        refresh = self.keys.pop("costs_contradicted", False) or refresh
         if self.costs is None or refresh or other or self.costs.max_tokens < max_tokens:
             self.costs = cached_cost_curve(runner, max_tokens, refresh=refresh)
             self.keys["costs"] = key
@@ -423,6 +431,8 @@ class AutoController:
         self._steps, self._tokens, self._seconds = 0, 0.0, 0.0
         self._committed = 0  # tokens this step committed, once learned
         self._costs: tuple[float, CostCurve] | None = None  # (slope, curve with it)
+        # A measured curve (keyed by prepare) is judged against the first steps' times.
+        self._judged: list[float] | None = [] if profile.keys.get("costs") is not None else None
 
     @property
     def rate(self) -> float | None:
@@ -510,11 +520,32 @@ class AutoController:
         if var > 1.0:  # tree sizes varied by more than a token: the slope is identified
             p.step_slope = max((m[3] - m[0] * m[2]) / var, 0.0)
         p.step_overhead = m[2] - p.step_slope * m[0]
+        self._judge(seconds / float(p.costs(tokens)))
         if self._modelled is not None and self._committed:
             self._steps += 1
             w = max(1.0 / self._steps, RATE_EMA)
             self._tokens = (1 - w) * self._tokens + w * self._committed
             self._seconds = (1 - w) * self._seconds + w * (self._modelled + float(self.costs(tokens)))
+
+    def _judge(self, ratio: float) -> None:
+        """Once JUDGE_STEPS steps have taken, as a median, less than CONTRADICTED of their
+        forward's cost by the curve, the curve is wrong for this machine: it leaves the disk
+        cache, and the profile measures again when next prepared."""
+        if self._judged is None:
+            return
+        self._judged.append(ratio)
+        if len(self._judged) < JUDGE_STEPS:
+            return
+        median, self._judged = float(np.median(self._judged)), None
+        if median >= CONTRADICTED:
+            return
+        p = self.profile
+        dropped = drop_cached_cost_curve(p.keys["costs"], p.costs)
+        p.keys["costs_contradicted"] = True
+        log.warning("the verify cost curve (%.0f ms a one-token forward) is %.1fx what whole steps take here, their "
+                    "forward included: it was measured while other work slowed the machine; %s, and it is measured "
+                    "again on the next run", float(p.costs(1)) * 1e3, 1 / median,
+                    "dropped from the disk cache" if dropped else "not used again")
 
     def learn(self, trees: Sequence[Tree], paths: Sequence[Sequence[int]]) -> None:
         """Each verified drafted node is accepted iff it lies on its request's committed

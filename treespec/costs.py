@@ -5,14 +5,18 @@ one 2-core CPU 4 tokens cost 1.4x one token and 32 tokens 2.4x (fp32), on anothe
 32 tokens cost 1.6x, on a GPU 60 tokens cost about one. So the curve is measured on the
 model, dtype, attention backend, thread count and machine it will run on: a handful of
 timed forwards through :class:`~treespec.runner.ModelRunner` on a scratch cache (one
-request, a 128-token prefix, q tree tokens under a causal mask), the sizes timed in turn 5
-times, the median per q made non-decreasing by isotonic regression, linear interpolation
-between the measured q.
+request, a 128-token prefix, q tree tokens under a causal mask), the sizes timed in turn up
+to 5 times within a budget of seconds (``BUDGET_SECONDS``), the median per q made
+non-decreasing by isotonic regression, linear interpolation between the measured q.
 
 The curve is cached as JSON in ``treespec.models.cache_dir() / "costs"``, one file per key
 (model identity, dtype, backend, threads, device name, packed weights); ``refresh=True``
-measures again. Another process on the cores distorts the measurement: measure on a quiet
-machine, or refresh later.
+measures again. Another process on the cores distorts the measurement, so a curve is cached
+only when its samples agree: one whose samples of a size spread by more than ``MAX_SPREAD`` of
+their median (or that had time for one round only) serves the run that measured it and is
+measured again next time; and ``auto`` drops a cached curve that its live steps contradict
+(:func:`drop_cached_cost_curve`). What is measured is logged at INFO (the command line shows
+it), since a first run pays for it.
 """
 
 from __future__ import annotations
@@ -23,13 +27,15 @@ import logging
 import platform
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
 
-__all__ = ["CostCurve", "GRID", "cost_key", "measure_cost_curve", "cached_cost_curve", "device_name"]
+__all__ = ["CostCurve", "GRID", "cost_key", "measure_cost_curve", "cached_cost_curve", "drop_cached_cost_curve",
+           "device_name"]
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +43,14 @@ log = logging.getLogger(__name__)
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 PREFIX = 128  # cached tokens behind the timed forwards: a typical prompt's length
 REPEATS = 5
+# Seconds of timed rounds before the measurement stops (after its first round): an idle 2-core
+# CPU does five rounds of SmolLM2's sizes in about 3 s; a busy one would take minutes (148 s,
+# issue 31) for a curve that is noise anyway.
+BUDGET_SECONDS = 8.0
+# The largest spread of one size's samples, (p75 - p25) / median, typical over the sizes, that a
+# curve may have and still be cached: an idle machine's is a few percent; cores that other
+# processes keep busy give tens of percent (a forward waits whole time slices).
+MAX_SPREAD = 0.25
 
 
 @dataclass(frozen=True)
@@ -49,6 +63,9 @@ class CostCurve:
 
     tokens: tuple[int, ...]
     seconds: tuple[float, ...]
+    # How much the samples behind a curve measured in this process disagree (typical relative
+    # spread of one size's samples; inf: one round, nothing to compare); None: read or given.
+    spread: float | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         t, s = tuple(int(x) for x in self.tokens), tuple(float(x) for x in self.seconds)
@@ -121,9 +138,13 @@ def _key_file(key: dict) -> Path:
     return cache_dir() / "costs" / f"{digest}.json"
 
 
-def measure_cost_curve(runner, max_tokens: int, repeats: int = REPEATS) -> CostCurve:
+def measure_cost_curve(runner, max_tokens: int, repeats: int = REPEATS, budget: float = BUDGET_SECONDS,
+                       clock: Callable[[], float] = time.perf_counter) -> CostCurve:
     """Time forwards of q = 1 .. ``max_tokens`` tokens (the grid up to it, and it) through
-    ``runner``; the model must be attached (``with runner.attached():``)."""
+    ``runner``; the model must be attached (``with runner.attached():``). Rounds over every
+    size, up to ``repeats``, stop once ``budget`` seconds have gone (the first round always
+    completes); the curve's ``spread`` says how far each size's samples disagree. ``clock``:
+    the timer (tests pass a fake one)."""
     from .mask import causal_mask
 
     qs = sorted({q for q in GRID if q < max_tokens} | {max(int(max_tokens), 1)})
@@ -138,11 +159,11 @@ def measure_cost_curve(runner, max_tokens: int, repeats: int = REPEATS) -> CostC
         toks = torch.arange(q) * 13 % vocab
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)
-        t0 = time.perf_counter()
+        t0 = clock()
         runner.forward(cache, [seq], [toks], [PREFIX + torch.arange(q)], [causal_mask(q)])
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)
-        dt = time.perf_counter() - t0
+        dt = clock() - t0
         cache.truncate(seq, PREFIX)
         return dt
 
@@ -150,10 +171,26 @@ def measure_cost_curve(runner, max_tokens: int, repeats: int = REPEATS) -> CostC
     # Round-robin over the sizes, so that a burst of noise (another process, a frequency
     # change) spreads over several sizes' samples rather than owning all of one size's.
     samples = {q: [] for q in qs}
+    start = clock()
     for _ in range(repeats):
         for q in qs:
             samples[q].append(once(q))
-    return CostCurve(tuple(qs), tuple(monotone_fit([statistics.median(samples[q]) for q in qs]).tolist()))
+        if clock() - start > budget:
+            break
+    seconds = monotone_fit([statistics.median(samples[q]) for q in qs]).tolist()
+    return CostCurve(tuple(qs), tuple(seconds), spread=sample_spread(samples.values()))
+
+
+def sample_spread(samples) -> float:
+    """The typical (median over sizes) relative spread of each size's timings: the
+    interquartile range over the median; inf with fewer than two samples a size."""
+    spreads = []
+    for xs in samples:
+        if len(xs) < 2:
+            return float("inf")
+        lo, mid, hi = np.percentile(xs, [25, 50, 75])
+        spreads.append((hi - lo) / mid)
+    return float(statistics.median(spreads))
 
 
 def monotone_fit(seconds) -> np.ndarray:
@@ -167,8 +204,9 @@ def monotone_fit(seconds) -> np.ndarray:
 
 
 def cached_cost_curve(runner, max_tokens: int, refresh: bool = False) -> CostCurve:
-    """The disk-cached curve for ``runner``'s key, measured (and saved) when missing, too
-    short for ``max_tokens`` or ``refresh``; the model must be attached."""
+    """The disk-cached curve for ``runner``'s key, measured when missing, too short for
+    ``max_tokens`` or ``refresh``, and saved only if its samples agree (``MAX_SPREAD``); the
+    model must be attached."""
     key = cost_key(runner)
     path = _key_file(key)
     if not refresh and path.is_file():
@@ -179,12 +217,35 @@ def cached_cost_curve(runner, max_tokens: int, refresh: bool = False) -> CostCur
                 return curve
         except (ValueError, KeyError, TypeError) as e:
             log.warning("ignoring unreadable cost curve %s: %s", path, e)
+    log.info("measuring what a verify forward of 1 to %d tokens costs here (%s, %s, %d thread(s)), for the auto "
+             "tree: at most %.0f s, once per model, dtype and thread count", max_tokens, key["device"], key["dtype"],
+             key["threads"], BUDGET_SECONDS)
     t0 = time.perf_counter()
     curve = measure_cost_curve(runner, max_tokens)
-    log.info("measured the verify cost curve up to %d tokens in %.1f s: %s", max_tokens,
-             time.perf_counter() - t0, ", ".join(f"{q}: {s * 1e3:.1f} ms" for q, s in zip(curve.tokens, curve.seconds)))
+    took = time.perf_counter() - t0
+    points = ", ".join(f"{q}: {s * 1e3:.1f} ms" for q, s in zip(curve.tokens, curve.seconds))
+    if curve.spread is not None and not curve.spread <= MAX_SPREAD:
+        log.warning("the verify cost measurement is mostly noise (%s): other processes on the cores? It serves this "
+                    "run and is not cached; it is measured again next run (%s)", "one round in the time allowed"
+                    if curve.spread == float("inf") else f"samples of one size spread by {curve.spread:.0%}", points)
+        return curve
+    log.info("measured the verify cost in %.1f s (spread %.0f%%): %s", took, 100 * (curve.spread or 0.0), points)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"key": key, "curve": curve.to_json()}, indent=1) + "\n")
     tmp.replace(path)  # readers never see half a file
     return curve
+
+
+def drop_cached_cost_curve(key: dict, curve: CostCurve) -> bool:
+    """Remove the disk cache's curve for ``key`` if it is ``curve`` (another process may have
+    measured a new one meanwhile); True if removed."""
+    path = _key_file(key)
+    try:
+        data = json.loads(path.read_text())
+        if CostCurve.from_json(data["curve"]) != curve:
+            return False
+        path.unlink()
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return True

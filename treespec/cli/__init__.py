@@ -28,6 +28,7 @@ import argparse
 import importlib
 import logging
 import sys
+import warnings
 
 __all__ = ["main", "build_parser", "COMMANDS"]
 
@@ -99,8 +100,25 @@ def _main(argv) -> int:
     args.argv = argv
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    # What a first run waits on is said, -v or not: auto measures this machine's verify costs.
+    logging.getLogger("treespec.costs").setLevel(logging.INFO)
     try:
-        return args.func(args) or 0
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning
+            return args.func(args) or 0
     except (UserError, FileNotFoundError, ValueError) as e:
-        print(f"treespec: error: {e}", file=sys.stderr)
+        # The library's keywords, as the command line spells them.
+        print(f"treespec: error: {e}".replace("allow_past_context=True", "--allow-past-context"), file=sys.stderr)
         return 2
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    """treespec's own warnings (misuse the library runs anyway) as one line; others as Python
+    shows them."""
+    from ..warn import TreespecWarning
+
+    if issubclass(category, TreespecWarning):
+        text = str(message).replace("allow_past_context=True", "--allow-past-context")
+        print(f"treespec: warning: {text}", file=file or sys.stderr)
+    else:
+        warnings._showwarning_orig(message, category, filename, lineno, file, line)

@@ -39,6 +39,7 @@ from ..attention import get_backend, kv_dtype, make_batch
 from ..builder import Frontier, build_trees
 from ..kv_cache import PagedKVCache
 from ..runner import FINAL_NORM
+from ..warn import warn
 from .base import DraftSession, DraftStart, Drafter
 
 __all__ = ["EagleHead", "EagleDrafter", "Eagle3Drafter", "load_draft", "eagle3_feature_layers"]
@@ -322,8 +323,8 @@ def _head_from_dir(path, target_model) -> EagleHead:
                 v.shape == emb.weight.shape
                 and torch.allclose(v.float(), emb.weight.detach().float().cpu(), rtol=1e-2, atol=1e-4)
             ):
-                log.warning("%s ships an embed_tokens.weight that differs from the target's; "
-                            "the target's embedding is used", path)
+                warn(f"{path} ships an embed_tokens.weight that differs from the target's; "
+                     "the target's embedding is used")
             continue
         else:
             ours[k] = v
