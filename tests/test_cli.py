@@ -212,7 +212,7 @@ def test_text_stream_waits_for_whole_characters(lm):
 # ---- generate ---------------------------------------------------------------------------
 
 
-def test_generate_ngram_streams_the_greedy_continuation(capsys, monkeypatch, lm, lm_dir, tmp_path):
+def test_generate_ngram_streams_the_greedy_continuation(capsys, caplog, monkeypatch, lm, lm_dir, tmp_path):
     monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))  # the default tree, auto, measures a cost curve
     rc, out, err = run(capsys, "generate", "--model", lm_dir, "--draft", "ngram",
                        "--prompt", "Once upon a time", "--max-new-tokens", "16")
@@ -223,6 +223,72 @@ def test_generate_ngram_streams_the_greedy_continuation(capsys, monkeypatch, lm,
     summary = [ln for ln in err.splitlines() if "tokens/s" in ln]
     assert len(summary) == 1
     assert "16 tokens" in summary[0] and "mean accepted length" in summary[0] and "steps" in summary[0]
+    # decoding's rate apart from the prompt's prefill (issue 31: a long prompt's prefill sank the rate)
+    n = len(lm[1]("Once upon a time")["input_ids"])
+    assert re.search(r"decoding [0-9.]+ tokens/s \(15 tokens in [0-9.]+ s\), prefill [0-9]+ tokens/s "
+                     rf"\({n} prompt tokens", summary[0]), summary[0]
+    # what a first auto run waits on is said without -v (the command line shows treespec.costs at INFO)
+    said = [r.getMessage() for r in caplog.records if r.name == "treespec.costs"]
+    assert said and said[0].startswith("measuring what a verify forward of 1 to")
+
+
+def test_generate_refuses_a_prompt_past_the_context_unless_asked(capsys, lm_dir):
+    long = "Once upon a time " * 80  # past the tiny model's 256 positions
+    rc, _, err = run(capsys, "generate", "--model", lm_dir, "--draft", "ngram", "--tree", "chain-2",
+                     "--prompt", long, "--max-new-tokens", "4")
+    assert rc == 2
+    line = error_line(err)
+    assert "longer than the model's context of 256 positions" in line and "--allow-past-context" in line
+    rc, out, err = run(capsys, "generate", "--model", lm_dir, "--draft", "ngram", "--tree", "chain-2",
+                       "--prompt", long, "--max-new-tokens", "4", "--allow-past-context")
+    assert rc == 0, err
+    assert "decoding" in err and "warning" not in err
+
+
+def test_generate_warns_in_one_line_when_the_answer_may_run_past_the_context(capsys, lm_dir):
+    rc, _, err = run(capsys, "generate", "--model", lm_dir, "--draft", "ngram", "--tree", "chain-2",
+                     "--prompt", "Once upon a time " * 10, "--max-new-tokens", "200")
+    assert rc == 0, err
+    (line,) = [ln for ln in err.splitlines() if "warning" in ln]
+    assert line.startswith("treespec: warning: a prompt of ") and line.endswith("or pass --allow-past-context")
+
+
+def test_generate_reads_a_piped_prompt(lm, lm_dir):
+    """``echo "Tell me about Paris" | treespec generate`` answered the built-in prompt (issue 31)."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-m", "treespec.cli", "generate", "--model", lm_dir, "--draft", "ngram",
+                        "--tree", "chain-2", "--max-new-tokens", "8"], input="Once upon a time\n",
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith(greedy_text(*lm, "Once upon a time", 8))  # no chat template: plain text
+    assert "the prompt from stdin (16 characters), as plain text" in p.stderr
+
+
+def test_generate_prompt_file_and_the_built_in_prompt_said(capsys, monkeypatch, lm, lm_dir, tmp_path):
+    import io
+
+    f = tmp_path / "p.txt"
+    f.write_text("Once upon a time\n")
+    rc, out, err = run(capsys, "generate", "--model", lm_dir, "--draft", "ngram", "--tree", "chain-2",
+                       "--max-new-tokens", "8", "--prompt-file", str(f))
+    assert rc == 0, err
+    assert out.startswith(greedy_text(*lm, "Once upon a time", 8))
+    assert f"the prompt from --prompt-file {f}" in err
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))  # an empty pipe (< /dev/null): no prompt given
+    rc, _, err = run(capsys, "generate", "--model", lm_dir, "--draft", "ngram", "--tree", "chain-2",
+                     "--max-new-tokens", "2")
+    assert rc == 0, err
+    assert "no prompt given" in err and "built-in one: 'Natalia sold clips" in err
+    rc, _, err = run(capsys, "generate", "--prompt-file", str(tmp_path / "absent.txt"))
+    assert rc == 2 and "no such file" in error_line(err)
+    rc, _, err = run(capsys, "generate", "--prompt-file", str(f), "--chat", "Hi")
+    assert rc == 2 and "not allowed with" in error_line(err)
 
 
 def test_generate_with_head_directory_and_model_draft(capsys, lm, lm_dir, tmp_path):

@@ -1,21 +1,26 @@
 """Clear words for inputs the engine can run but should not run silently, and for inputs it
-cannot run: a request past the model's context, a draft whose tokens are never accepted
-(a head trained for another model), and text where token ids belong."""
+cannot run: a prompt past the model's context (refused unless asked for), a request whose
+answer may run past it, a draft whose tokens are never accepted (a head trained for another
+model), and text where token ids belong. Misuse warns through :mod:`warnings`
+(``TreespecWarning``), which reaches a Python user whose logging is not configured."""
 
 from __future__ import annotations
 
 import copy
-import logging
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 import treespec
 from tiny import tiny_model
+from treespec import TreespecWarning
 from treespec.drafters.model import ModelDrafter
 from treespec.drafters.ngram import NgramDrafter
-
-ENGINE = "treespec.engine"
 
 
 @pytest.fixture(autouse=True)
@@ -28,10 +33,6 @@ def model():
     return tiny_model("llama", 0)  # max_position_embeddings 256, vocabulary 64
 
 
-def warnings(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == ENGINE and r.levelno == logging.WARNING]
-
-
 def shifted_twin(model):
     """The target with its output rows rolled by one: its greedy token is always the
     target's plus one (mod V), so every drafted token is rejected, deterministically."""
@@ -41,70 +42,89 @@ def shifted_twin(model):
     return draft
 
 
+def quiet(fn, *args, **kw):
+    """``fn``'s result, failing on any TreespecWarning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TreespecWarning)
+        return fn(*args, **kw)
+
+
 # ---- past the model's context -----------------------------------------------------------
 
 
-def test_prompt_longer_than_the_context_warns(model, caplog):
+def test_prompt_longer_than_the_context_is_refused(model):
     prompt = [(7 * i) % 64 for i in range(300)]  # 300 > 256 positions
-    with caplog.at_level(logging.WARNING, logger=ENGINE):
+    with pytest.raises(ValueError, match="a prompt of 300 tokens is longer than the model's context of 256 "
+                                         r"positions .*allow_past_context=True"):
         treespec.generate(model, NgramDrafter(), "chain-2", prompt, max_new_tokens=1)
-    (msg,) = warnings(caplog)
-    assert "300 tokens is longer than the model's context of 256" in msg
+    with pytest.raises(ValueError, match="300 tokens"):  # the stream refuses it at its first step
+        next(treespec.stream(model, NgramDrafter(), "chain-2", [[1, 2], prompt], max_new_tokens=1))
+    out = quiet(treespec.generate, model, NgramDrafter(), "chain-2", prompt, max_new_tokens=3, allow_past_context=True)
+    assert len(out.sequences[0]) == 3  # asked for: it runs, without a word
 
 
-def test_generation_running_past_the_context_warns(model, caplog):
-    with caplog.at_level(logging.WARNING, logger=ENGINE):
+def test_generation_running_past_the_context_warns(model):
+    with pytest.warns(TreespecWarning, match="10 tokens plus max_new_tokens=250 reaches past the model's context "
+                                             "of 256") as caught:
         gen = treespec.stream(model, NgramDrafter(), "chain-2", list(range(10)), max_new_tokens=250)
         next(gen)
         gen.close()
-    (msg,) = warnings(caplog)
-    assert "10 tokens plus max_new_tokens=250 reaches past the model's context of 256" in msg
+    assert caught[0].filename == __file__  # the user's line, not treespec's
+    quiet(treespec.generate, model, NgramDrafter(), "chain-2", list(range(10)), max_new_tokens=250,
+          allow_past_context=True)
 
 
-def test_within_the_context_no_warning(model, caplog):
-    with caplog.at_level(logging.WARNING, logger=ENGINE):
-        treespec.generate(model, NgramDrafter(), "chain-2", [list(range(10)), [i % 64 for i in range(200)]],
-                          max_new_tokens=56)  # 200 + 56 = 256: the last position is still inside
-    assert warnings(caplog) == []
+def test_within_the_context_no_warning(model):
+    quiet(treespec.generate, model, NgramDrafter(), "chain-2", [list(range(10)), [i % 64 for i in range(200)]],
+          max_new_tokens=56)  # 200 + 56 = 256: the last position is still inside
+
+
+def test_a_python_user_sees_the_warning_without_configuring_logging():
+    """The library logs to a NullHandler: a warning logged there never reached a plain script
+    (issue 31); ``warnings`` does, on stderr, naming the script's line."""
+    root = Path(__file__).resolve().parents[1]
+    script = ("import torch, treespec; from tiny import tiny_model; from treespec.drafters.ngram import NgramDrafter\n"
+              "torch.set_num_threads(1)\n"
+              "treespec.generate(tiny_model('llama', 0), NgramDrafter(), 'chain-2', list(range(10)), "
+              "max_new_tokens=250)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "tests"), env.get("PYTHONPATH", "")])
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stderr
+    assert "<string>:3: TreespecWarning: a prompt of 10 tokens plus max_new_tokens=250" in p.stderr
 
 
 # ---- a draft that is never accepted -----------------------------------------------------
 
 
-def test_draft_never_accepted_warns_once(model, caplog):
+def test_draft_never_accepted_warns_once(model):
     drafter = ModelDrafter(shifted_twin(model))
-    with caplog.at_level(logging.WARNING, logger=ENGINE):
+    with pytest.warns(TreespecWarning) as caught:
         out = treespec.generate(model, drafter, "chain-2", [[1, 2, 3], [4, 5]], max_new_tokens=40)
     assert out.metrics.mean_accepted_length == 1.0  # the premise: nothing was accepted
-    (msg,) = warnings(caplog)  # once per generation, though every step rejected everything
+    (msg,) = [str(w.message) for w in caught]  # once per generation, though every step rejected everything
     assert "accepted none of the" in msg and "ModelDrafter" in msg
     assert "is this draft (head) trained for this model?" in msg
 
 
-def test_draft_never_accepted_short_run_stays_quiet(model, caplog):
+def test_draft_never_accepted_short_run_stays_quiet(model):
     """Fewer verify steps than the watch needs: too little evidence to judge the draft."""
     drafter = ModelDrafter(shifted_twin(model))
-    with caplog.at_level(logging.WARNING, logger=ENGINE):
-        out = treespec.generate(model, drafter, "chain-2", [1, 2, 3], max_new_tokens=5)
+    out = quiet(treespec.generate, model, drafter, "chain-2", [1, 2, 3], max_new_tokens=5)
     assert out.metrics.num_steps < 8
-    assert warnings(caplog) == []
 
 
-def test_good_draft_no_warning(model, caplog):
+def test_good_draft_no_warning(model):
     twin = tiny_model("llama", 0)  # the target's weights, its own config object
-    with caplog.at_level(logging.WARNING, logger=ENGINE):
-        out = treespec.generate(model, ModelDrafter(twin), "chain-2", [1, 2, 3], max_new_tokens=40)
+    out = quiet(treespec.generate, model, ModelDrafter(twin), "chain-2", [1, 2, 3], max_new_tokens=40)
     assert out.metrics.mean_accepted_length > 2.5
-    assert warnings(caplog) == []
 
 
-def test_prompt_lookup_is_not_judged(model, caplog):
+def test_prompt_lookup_is_not_judged(model):
     """Prompt lookup drafts only where the text repeats; rejections there are no mismatch."""
     prompt = [1, 2, 3, 4] * 8  # repeats, so lookup drafts at every step
-    with caplog.at_level(logging.WARNING, logger=ENGINE):
-        out = treespec.generate(model, NgramDrafter(), "chain-2", prompt, max_new_tokens=40)
+    out = quiet(treespec.generate, model, NgramDrafter(), "chain-2", prompt, max_new_tokens=40)
     assert out.metrics.num_steps >= 8
-    assert warnings(caplog) == []
 
 
 # ---- text where token ids belong --------------------------------------------------------

@@ -35,6 +35,7 @@ from .processing import NodeProcessor, RequestDecoding, exact_generation_config,
 from .sampling import SamplingParams
 from .tree import Tree
 from .verify import Verdict, verify_greedy
+from .warn import warn
 
 __all__ = ["generate", "stream", "GenerateOutput", "SpecMetrics", "RequestMetrics", "StepOutput"]
 
@@ -90,6 +91,18 @@ class SpecMetrics:
         return self.num_generated / self.total_seconds if self.total_seconds > 0 else 0.0
 
     @property
+    def decode_seconds(self) -> float:
+        """Wall time after prefill: drafting, verifying and committing."""
+        return max(self.total_seconds - self.prefill_seconds, 0.0)
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens after each request's first (prefill makes it) per decode second: the rate
+        speculation changes, whatever the prompt's length."""
+        decoded = self.num_generated - len(self.requests)
+        return decoded / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    @property
     def mean_tree_size(self) -> float:
         """Drafted nodes verified per request-step (what an ``auto`` tree chose)."""
         return sum(self.tree_sizes) / max(len(self.tree_sizes), 1)
@@ -129,6 +142,7 @@ class SpecMetrics:
             "verify_seconds": self.verify_seconds,
             "total_seconds": self.total_seconds,
             "tokens_per_second": self.tokens_per_second,
+            "decode_tokens_per_second": self.decode_tokens_per_second,
             "mean_tree_size": self.mean_tree_size,
         }
 
@@ -346,6 +360,7 @@ def stream(
     generation_config=None,
     logits_processor=None,
     tokenizer=None,
+    allow_past_context: bool = False,
     **options,
 ) -> Iterator[StepOutput]:
     """Decode with tree speculation, yielding the tokens each step commits.
@@ -363,13 +378,13 @@ def stream(
     """
     run, max_new = _checked_run(model, draft, tree_cfg, input_ids, max_new_tokens, temperature, top_k, top_p, min_p,
                                 seed, eos_token_id, attention_backend, auto_profile, generation_config,
-                                logits_processor, tokenizer, options)
+                                logits_processor, tokenizer, allow_past_context, options)
     yield from _loop(*run, max_new=max_new, page_size=page_size, auto_profile=auto_profile)
 
 
 def _checked_run(model, draft, tree_cfg, input_ids, max_new_tokens, temperature, top_k, top_p, min_p, seed,
                  eos_token_id, attention_backend, auto_profile, generation_config, logits_processor, tokenizer,
-                 options: dict):
+                 allow_past_context: bool, options: dict):
     """Every argument check of :func:`stream`, in the order a user meets them; returns what
     the loop runs on, ``(runner, drafter, cfg, prompts, decodings, eos)``, and the token budget."""
     if generation_config is not None and not isinstance(generation_config, GenerationConfig):
@@ -402,25 +417,31 @@ def _checked_run(model, draft, tree_cfg, input_ids, max_new_tokens, temperature,
         bad = [t for t in p if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the model's vocabulary (0..{vocab - 1})")
-    _warn_past_context(prompts, max_new_tokens, runner.max_positions)
+    _check_context(prompts, max_new_tokens, runner.max_positions, allow_past_context)
     if auto_profile is not None and not isinstance(auto_profile, AutoProfile):
         raise ValueError(f"auto_profile must be a treespec.AutoProfile, got {type(auto_profile).__name__}")
     return (runner, drafter, cfg, prompts, decodings, eos), max_new_tokens
 
 
-def _warn_past_context(prompts: list[list[int]], max_new: int, max_pos: int | None) -> None:
-    """Warn, as HF generate does, when a request reaches past the model's positions: the
-    model was not trained there, and no tree is drafted past them (one token a step)."""
+def _check_context(prompts: list[list[int]], max_new: int, max_pos: int | None, allow: bool) -> None:
+    """A prompt longer than the model's positions is refused, and one whose answer may run past
+    them warned of, unless ``allow``: the model was not trained there (the text degrades), and
+    no tree is drafted past them (one token a step)."""
     if max_pos is None:
         return
     longest = max(len(p) for p in prompts)
+    if allow:
+        if longest + max_new > max_pos:
+            log.info("allow_past_context: generating past the model's %d positions", max_pos)
+        return
     if longest > max_pos:
-        log.warning("a prompt of %d tokens is longer than the model's context of %d positions "
-                    "(max_position_embeddings): the output may degrade; shorten the prompt", longest, max_pos)
-    elif longest + max_new > max_pos:
-        log.warning("a prompt of %d tokens plus max_new_tokens=%d reaches past the model's context of %d "
-                    "positions (max_position_embeddings): past it the output may degrade, and no tree is "
-                    "drafted (one token per step)", longest, max_new, max_pos)
+        raise ValueError(f"a prompt of {longest} tokens is longer than the model's context of {max_pos} positions "
+                         "(max_position_embeddings): shorten it, or pass allow_past_context=True to generate past "
+                         "the context anyway (the output degrades there)")
+    if longest + max_new > max_pos:
+        warn(f"a prompt of {longest} tokens plus max_new_tokens={max_new} reaches past the model's context of "
+             f"{max_pos} positions (max_position_embeddings): past it the output may degrade, and no tree is "
+             "drafted (one token per step); lower max_new_tokens, or pass allow_past_context=True")
 
 
 class _AcceptanceWatch:
@@ -450,9 +471,9 @@ class _AcceptanceWatch:
         self.accepted += accepted
         if self.steps == self.STEPS:
             if self.accepted == 0:
-                log.warning("the model accepted none of the %d tokens %s drafted over the first %d steps: is "
-                            "this draft (head) trained for this model? The output stays exact, but no faster "
-                            "than the model alone", self.drafted, self.name, self.STEPS)
+                warn(f"the model accepted none of the {self.drafted} tokens {self.name} drafted over the first "
+                     f"{self.STEPS} steps: is this draft (head) trained for this model? The output stays exact, but "
+                     "no faster than the model alone")
             self.steps = None
 
 
@@ -696,6 +717,7 @@ def generate(
     generation_config=None,
     logits_processor=None,
     tokenizer=None,
+    allow_past_context: bool = False,
     **options,
 ) -> GenerateOutput:
     """Generate with tree speculation; same output as ``model`` alone.
@@ -739,6 +761,10 @@ def generate(
                     every node; each must be a pure function of ``(input_ids, scores)``: it is
                     called once per tree depth on a batch of candidate histories, many of which
                     are never committed.
+        allow_past_context: a prompt longer than the model's context (``max_position_embeddings``)
+                    raises a ValueError, and one whose answer may run past it warns
+                    (:class:`~treespec.warn.TreespecWarning`); True generates past it silently
+                    (the model was not trained there: the text degrades).
         **options:  fields of ``GenerationConfig`` (``repetition_penalty=1.1``,
                     ``no_repeat_ngram_size=4``, ``min_new_tokens``, ``bad_words_ids``,
                     ``sequence_bias``, ``suppress_tokens``, ``typical_p``, ...): exactly those
@@ -755,7 +781,7 @@ def generate(
         model, draft, tree_cfg, input_ids, max_new_tokens=max_new_tokens, temperature=temperature,
         top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, eos_token_id=eos_token_id,
         attention_backend=attention_backend, auto_profile=auto_profile, generation_config=generation_config,
-        logits_processor=logits_processor, tokenizer=tokenizer, **options,
+        logits_processor=logits_processor, tokenizer=tokenizer, allow_past_context=allow_past_context, **options,
     ):
         for s, t in zip(seqs, out.tokens):
             s.extend(t)

@@ -25,11 +25,6 @@ DEFAULT_DRAFT = "smollm2-135m-instruct-eagle"
 # fastest pair measured with the head that ships; its figures are in docs/benchmarks.md.
 DEFAULT_SPEC = f"{DEFAULT_DRAFT}+lookup"
 DEFAULT_TREE = "auto"
-# A GSM8K-style word problem (GSM8K train, first record): the shipped head trained on them.
-DEFAULT_CHAT = (
-    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips "
-    "in May. How many clips did Natalia sell altogether in April and May?"
-)
 MODEL_HELP = "target: a treespec name, HF id or path"
 DRAFT_HELP = ("a shipped head name, an EAGLE head directory, 'ngram', 'layers:K' (the target's first K layers as a "
               "draft model) or 'model:NAME_OR_PATH'; any model drafter with '+lookup' appended also grafts prompt "
@@ -45,12 +40,6 @@ class UserError(Exception):
 
 def add_model(p, help: str = MODEL_HELP):
     p.add_argument("--model", default=DEFAULT_MODEL, help=help)
-
-
-def add_prompt_source(p, prompt_help: str, chat_help: str):
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--prompt", help=prompt_help)
-    src.add_argument("--chat", help=chat_help)
 
 
 def add_dataset(p):
@@ -169,25 +158,6 @@ def auto_profile(args):
         return AutoProfile.load(path)
     except (ValueError, KeyError, TypeError) as e:
         raise UserError(f"bad auto profile {args.auto_profile}: {e}") from None
-
-
-def prompt_ids(tokenizer, args, model_name: str) -> list[int]:
-    """--prompt as plain text, --chat through the chat template, else the built-in message."""
-    from ..prompts import encode_prompt
-
-    has_template = bool(getattr(tokenizer, "chat_template", None))
-    if args.prompt is not None:
-        ids = encode_prompt(tokenizer, args.prompt, chat=False)
-        if not ids:
-            raise UserError(f"--prompt {args.prompt!r} encodes to no tokens with {model_name}'s tokenizer")
-        return ids
-    if args.chat is not None:
-        if not has_template:
-            raise UserError(f"{model_name} has no chat template: use --prompt TEXT")
-        return encode_prompt(tokenizer, args.chat, chat=True)
-    if not has_template:
-        log.warning("%s has no chat template: the built-in message is used as plain text", model_name)
-    return encode_prompt(tokenizer, DEFAULT_CHAT, chat=has_template)
 
 
 def portable(arg: str) -> str:

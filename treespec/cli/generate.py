@@ -1,17 +1,19 @@
-"""``treespec generate``: one prompt, the text streamed to stdout as steps commit it, a
-summary line on stderr."""
+"""``treespec generate``: one prompt, the text streamed to stdout as steps commit it, a summary
+line on stderr."""
 
 from __future__ import annotations
 
 import sys
 
-from .common import (DEFAULT_SPEC, DEFAULT_TREE, DRAFT_HELP, add_auto_profile, add_model, add_prompt_source,
-                     add_runtime, add_sampling, auto_profile, generation_options, log, prompt_ids)
+from .common import (DEFAULT_SPEC, DEFAULT_TREE, DRAFT_HELP, add_auto_profile, add_model, add_runtime, add_sampling,
+                     auto_profile, generation_options, log)
+from .prompt import add_prompt_source, prompt_ids, read_message
 
 
 def add_arguments(p):
     p.description = ("Generate with tree speculation: the text streams to stdout as it is committed, a summary "
-                     "line goes to stderr.")
+                     "line goes to stderr. The prompt: --prompt, --chat, --prompt-file, or text piped to stdin "
+                     "(echo 'Tell me about Paris' | treespec generate); else a built-in one, shown on stderr.")
     add_model(p)
     p.add_argument("--draft", default=DEFAULT_SPEC,
                    help=DRAFT_HELP + " (default: %(default)s, the shipped head with prompt lookup)")
@@ -19,7 +21,13 @@ def add_arguments(p):
                    help="a preset name or a JSON tree file (default: %(default)s: each step verifies the tree that "
                         "pays most from this machine's measured verify costs and the draft's calibrated scores; "
                         "the fastest beside every fixed preset with the shipped head, docs/benchmarks.md)")
-    add_prompt_source(p, "plain text to continue", "a user message, wrapped in the model's chat template")
+    src = add_prompt_source(p, "plain text to continue", "a user message, wrapped in the model's chat template")
+    src.add_argument("--prompt-file", metavar="FILE",
+                     help="a user message read from FILE (UTF-8), as --chat (plain text if the model has no chat "
+                          "template); text piped to stdin is read the same way when no prompt flag is given")
+    p.add_argument("--allow-past-context", action="store_true",
+                   help="generate even when the prompt is longer than the model's context (max_position_embeddings; "
+                        "refused otherwise) or the answer may run past it: the text degrades there")
     add_sampling(p)
     add_runtime(p)
     add_auto_profile(p)
@@ -28,7 +36,7 @@ def add_arguments(p):
 def run(args):
     from .loading import check, load
 
-    sp, trees = check(args, [args.tree], [args.draft])
+    sp, trees = check(args, [args.tree], [args.draft], then=[lambda: read_message(args)])
     cfg, tree_name = trees[args.tree]
     profile = None
     if cfg.auto:
@@ -48,7 +56,8 @@ def run(args):
             for out in stream(loaded.model, drafter, cfg, loaded.prompts, max_new_tokens=args.max_new_tokens,
                               temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p,
                               seed=args.seed, attention_backend=args.backend, auto_profile=profile,
-                              tokenizer=loaded.tokenizer, **generation_options(args)):
+                              tokenizer=loaded.tokenizer, allow_past_context=args.allow_past_context,
+                              **generation_options(args)):
                 text.push(out.tokens[0])
                 metrics = out.metrics
     except KeyboardInterrupt:
@@ -58,8 +67,16 @@ def run(args):
     text.push([], final=True)
     sys.stdout.write("\n")
     sys.stdout.flush()
-    m = metrics
-    print(f"[treespec] {m.num_generated} tokens in {m.total_seconds:.2f} s: {m.tokens_per_second:.1f} tokens/s, "
-          f"mean accepted length {m.mean_accepted_length:.2f}, {m.num_steps} steps "
-          f"(draft {draft_name}, tree {tree_name}"
-          + (f", mean tree size {m.mean_tree_size:.1f} nodes" if cfg.auto else "") + ")", file=sys.stderr)
+    print(summary(metrics, len(loaded.prompts), draft_name, tree_name, cfg.auto), file=sys.stderr)
+
+
+def summary(m, prompt_tokens: int, draft_name: str, tree_name: str, auto: bool) -> str:
+    """The closing line: decoding's rate apart from the prompt's prefill, whose rate depends
+    on the prompt's length and nothing of speculation."""
+    decoded = m.num_generated - 1  # prefill makes the first token
+    prefill_rate = prompt_tokens / m.prefill_seconds if m.prefill_seconds > 0 else 0.0
+    return (f"[treespec] {m.num_generated} tokens in {m.total_seconds:.2f} s: decoding {m.decode_tokens_per_second:.1f} "
+            f"tokens/s ({decoded} tokens in {m.decode_seconds:.2f} s), prefill {prefill_rate:.0f} "
+            f"tokens/s ({prompt_tokens} prompt tokens and the first new one in {m.prefill_seconds:.2f} s); mean "
+            f"accepted length {m.mean_accepted_length:.2f}, {m.num_steps} steps (draft {draft_name}, tree {tree_name}"
+            + (f", mean tree size {m.mean_tree_size:.1f} nodes" if auto else "") + ")")

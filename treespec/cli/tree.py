@@ -7,7 +7,8 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-from .common import DEFAULT_DRAFT, UserError, add_model, add_prompt_source, add_runtime, prompt_ids
+from .common import DEFAULT_DRAFT, UserError, add_model, add_runtime
+from .prompt import add_prompt_source, prompt_ids
 
 
 def add_arguments(p):
