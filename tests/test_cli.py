@@ -313,7 +313,56 @@ def test_generate_vocabulary_mismatch(capsys, lm_dir, tmp_path):
     rc, _, err = run(capsys, "generate", "--model", lm_dir, "--draft", str(tmp_path / "head64"),
                      "--prompt", "Hi")
     assert rc == 2
-    assert "vocabulary mismatch" in error_line(err)
+    assert "vocabulary mismatch" in error_line(err) and "--draft ngram" in err
+
+
+def test_generate_head_for_another_model_says_what_to_do(capsys, lm, lm_dir, tmp_path):
+    """--model of one's own with an EAGLE head of another size: the error says what works
+    (issue 31: "expects target hidden size 576, the target has 64" and nothing more)."""
+    from treespec.drafters import EagleHead
+
+    other = tiny_model(vocab=lm[0].config.vocab_size, hidden=64, layers=5)  # the same vocabulary, wider
+    EagleHead.for_target(other, eagle3=True).save_pretrained(tmp_path / "wide-head")
+    capsys.readouterr()
+    rc, _, err = run(capsys, "generate", "--model", lm_dir, "--draft", str(tmp_path / "wide-head"), "--prompt", "Hi")
+    assert rc == 2
+    line = error_line(err)
+    assert "expects target hidden size 64, the target has 32" in line
+    for hint in ("--draft ngram", "--draft layers:K", "treespec train-eagle"):
+        assert hint in line
+
+
+def test_draft_model_without_a_tokenizer(capsys, lm, lm_dir, tmp_path):
+    lm[0].save_pretrained(tmp_path / "no-tokenizer")
+    capsys.readouterr()
+    rc, _, err = run(capsys, "generate", "--model", lm_dir, "--draft", f"model:{tmp_path / 'no-tokenizer'}",
+                     "--prompt", "Hi")
+    assert rc == 2
+    line = error_line(err)
+    assert "has a model but no tokenizer" in line and "tokenizer.save_pretrained" in line
+    assert "sentencepiece" not in line
+
+
+def test_unknown_model_name_answers_at_once_in_one_line(capsys, monkeypatch):
+    """Offline, an unknown name took 27-37 s and 22 retry warnings (issue 31): the hub is asked
+    only when it answers, and the error is one line."""
+    import time
+
+    import treespec.models.loading as model_loading
+
+    def never(*a, **k):
+        raise AssertionError("transformers was asked for a name the hub cannot give")
+
+    t0 = time.perf_counter()
+    rc, _, err = run(capsys, "generate", "--model", "no-such-model-xyz", "--draft", "ngram", "--prompt", "Hi")
+    assert rc == 2 and time.perf_counter() - t0 < 15  # this machine as it is: offline here
+    assert "'no-such-model-xyz' is not a known name (smollm2-135m-instruct)" in error_line(err)
+    monkeypatch.setattr(model_loading, "hub_reachable", lambda timeout=2.0: False)
+    monkeypatch.setattr(model_loading, "from_transformers", never)
+    rc, _, err = run(capsys, "generate", "--model", "no-such-model-xyz", "--draft", "ngram", "--prompt", "Hi")
+    assert rc == 2 and "the hub (huggingface.co) cannot be reached from here" in error_line(err)
+    rc, _, err = run(capsys, "generate", "--model", "no such model", "--draft", "ngram", "--prompt", "Hi")
+    assert rc == 2 and error_line(err).endswith("or a Hugging Face hub id")
 
 
 def test_generate_chat_needs_a_template(capsys, lm_dir):

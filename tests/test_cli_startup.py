@@ -121,6 +121,31 @@ def test_empty_prompt_refused_before_loading(capsys, monkeypatch, argv, expect):
     assert expect in one_line(capsys.readouterr().err)
 
 
+@pytest.mark.parametrize("argv, expect", [
+    (["generate", "--tree", "nonsense"], "unknown tree preset 'nonsense'"),
+    (["generate", "--temperature", "-1"], "temperature must be a finite number >= 0"),
+    (["generate", "--top-p", "1.5"], "top_p must be in (0, 1]"),
+    (["generate", "--temperature", "1", "--top-p", "1.5"], "top_p must be in (0, 1]"),
+    (["generate", "--prompt-file", "no-such-file.txt"], "no such file"),
+    (["bench", "--dataset", "nosuchset"], "unknown dataset 'nosuchset'"),
+    (["bench", "--tree", "nonsense"], "unknown tree preset 'nonsense'"),
+    (["tune", "--dataset", "nosuchset", "--out", "p.json"], "unknown dataset 'nosuchset'"),
+    (["tune", "--top-p", "1.5", "--out", "p.json"], "top_p must be in (0, 1]"),
+    (["tree", "show", "nonsense", "--out", "x.png"], "unknown tree preset 'nonsense'"),
+])
+def test_bad_flags_refused_before_the_model_loads(capsys, monkeypatch, argv, expect):
+    """The checks of issue 31 (item 7): each refused at once, not after a 13 s load."""
+    def load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(models, "load", load)
+    monkeypatch.setattr(loading, "load_model", load)
+    monkeypatch.setattr(loading, "setup_threads", load)  # the first step of loading
+    rc = cli.main(argv)
+    assert rc == 2
+    assert expect in one_line(capsys.readouterr().err)
+
+
 # ---- Ctrl-C -----------------------------------------------------------------------------
 
 

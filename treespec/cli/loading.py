@@ -6,85 +6,20 @@
 Every mistake a user can make in a flag answers in ``check``, before seconds of loading;
 ``load`` then reads the prompts before any drafter, so a bad prompt field fails before a
 draft model loads. Tree specs (a preset, ``chain-K`` or a JSON file) and draft specs (see
-the package docstring) are read here too.
+the package docstring) are read by :mod:`.specs`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from .common import Bars, UserError, check_early, log, sampling
+from .specs import LOOKUP_SUFFIX, check_draft_spec, tree
 
-LOOKUP_SUFFIX = "+lookup"
-
-
-# ---- specs -------------------------------------------------------------------------------
-
-
-def tree(spec: str):
-    """``(TreeConfig, short name)`` of a preset name, ``chain-K`` or a JSON tree file."""
-    from ..config import PRESETS, TreeConfig
-
-    if spec in PRESETS:
-        return PRESETS[spec].config, spec
-    if re.fullmatch(r"chain-[1-9][0-9]*", spec):  # chains longer than the presets' 8
-        return TreeConfig.chain(int(spec[len("chain-"):])), spec
-    path = Path(spec).expanduser()
-    if not (path.suffix.lower() == ".json" or path.exists() or "/" in spec):
-        raise UserError(f"unknown tree preset {spec!r}; known presets: {', '.join(PRESETS)} "
-                        f"(or give a JSON file of paths)")
-    if not path.is_file():
-        raise UserError(f"no tree file at {spec}")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{spec} is not valid JSON: {e}") from None
-    hint = ('expected a list of child-rank paths like [[0], [1], [0, 0]], {"paths": [...]} or '
-            '{"depth": 5, "top_k": 4, "num_nodes": 16}')
-    try:
-        if isinstance(data, dict) and set(data) == {"paths"}:
-            data = data["paths"]
-        if isinstance(data, dict) and set(data) == {"depth", "top_k", "num_nodes"}:
-            return TreeConfig.dynamic(data["depth"], data["top_k"], data["num_nodes"]), path.stem
-        if not (isinstance(data, list) and all(isinstance(p, list) and all(isinstance(r, int) and not isinstance(r, bool)
-                                                                            for r in p) for p in data)):
-            raise ValueError(hint)
-        return TreeConfig.static(data), path.stem
-    except (ValueError, TypeError) as e:
-        msg = str(e)
-        raise UserError(f"bad tree in {spec}: {msg}" + ("" if msg == hint else f"; {hint}")) from None
-
-
-def check_draft_spec(spec: str) -> None:
-    """Fail before loading any model when a draft head is missing."""
-    from ..assets import DRAFTS, resolve_draft
-
-    if spec.endswith(LOOKUP_SUFFIX):
-        primary = spec[: -len(LOOKUP_SUFFIX)]
-        if primary in ("ngram", "none", ""):
-            raise UserError(f"--draft {spec}: '{LOOKUP_SUFFIX}' grafts prompt lookup onto a model drafter "
-                            "(a head, layers:K or model:NAME), e.g. smollm2-135m-instruct-eagle+lookup")
-        return check_draft_spec(primary)
-    if spec.startswith("layers:"):
-        if not spec[len("layers:"):].isdigit():
-            raise UserError(f"--draft {spec}: give a layer count, e.g. layers:6 (the target's first 6 layers)")
-        return
-    if spec in ("ngram", "none") or spec.startswith("model:"):
-        if spec == "model:":
-            raise UserError("--draft model: needs a model name or path, e.g. model:smollm2-135m-instruct or model:PATH")
-        return
-    try:
-        resolve_draft(spec)
-    except FileNotFoundError as e:
-        if spec in DRAFTS:
-            raise UserError(f"the shipped draft {spec!r} is missing ({DRAFTS[spec][0]} has no config.json); "
-                            f"use --draft ngram, or train one with treespec train-eagle") from None
-        raise UserError(f"{e}; or use --draft ngram or --draft model:NAME") from None
+__all__ = ["LOOKUP_SUFFIX", "check_draft_spec", "tree", "check", "load", "load_model", "drafter", "setup_threads"]
 
 
 def check(args, trees: Iterable[str] = (), drafts: Iterable[str] = (), then: Iterable[Callable] = ()):
@@ -178,26 +113,33 @@ def drafter(spec: str, model, tokenizer, backend: str):
         if tokenizer is not None and dtok is not None and dtok.get_vocab() != tokenizer.get_vocab():
             log.warning("the draft model's tokenizer differs from the target's: drafts will rarely be accepted")
         d, name = ModelDrafter(dmodel, attention_backend=backend), spec
+        d.check_compatible(model)  # vocabulary mismatches surface here, as ValueError
     else:
-        d = load_draft(spec, model, attention_backend=backend)
         name = spec if "/" not in spec else Path(spec).name
-    d.check_compatible(model)  # vocabulary mismatches surface here, as ValueError
+        try:
+            d = load_draft(spec, model, attention_backend=backend)
+            d.check_compatible(model)
+        except ValueError as e:  # a head made for another model (vocabulary, hidden size)
+            raise UserError(f"{e}: --draft {spec} is an EAGLE head for another model. Use --draft ngram (prompt "
+                            "lookup, no model), --draft layers:K (the target's first K layers) or a head trained "
+                            "for this model: treespec train-eagle --model ... --data gsm8k-train --out DIR") from None
     return d, name
 
 
-def setup_threads(args):
+def setup_threads(args, warn: bool = True) -> str | None:
     """torch's threads: --threads, else one per physical core available to this process, with
-    a warning when other processes keep those cores busy (the threads then wait on each other)."""
+    a warning when other processes keep those cores busy (the threads then wait on each other),
+    logged, or returned with ``warn=False``."""
     import torch
 
     from ..threads import busy_warning, default_threads
 
     threads = args.threads or default_threads()
     torch.set_num_threads(threads)
-    if args.threads is None:
-        warning = busy_warning(threads)
-        if warning:
-            log.warning(warning)
+    warning = busy_warning(threads) if args.threads is None else None
+    if warning and warn:
+        log.warning(warning)
+    return warning
 
 
 def fast_path(args, model, drafters=()):
@@ -238,8 +180,10 @@ class Loaded:
 
 def load(args, drafts: Iterable[str] = (), prompts: Callable | None = None) -> Loaded:
     """Threads, the target, ``prompts(tokenizer)``, the drafters, then packed weights for all."""
-    setup_threads(args)
-    model, tok = load_target(args)
+    busy = setup_threads(args, warn=False)
+    model, tok = load_target(args)  # a name that is no model fails in one line, no advice first
+    if busy:
+        log.warning(busy)
     out = Loaded(model, tok, prompts(tok) if prompts is not None else None)
     out.drafters = {d: drafter(d, model, tok, args.backend) for d in dict.fromkeys(drafts)}
     out.fast = fast_path(args, model, [d for d, _ in out.drafters.values()])

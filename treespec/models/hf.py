@@ -35,8 +35,23 @@ def no_transformers_bars():
             hf_logging.enable_progress_bar()
 
 
-def from_transformers(name_or_path: str | Path, dtype: torch.dtype, gguf_file: str | None = None) -> Loaded:
-    """A saved model folder, a hub id, or (with ``gguf_file``) a GGUF file in that folder."""
+# What a saved tokenizer leaves in its folder (any one of them): transformers' own files, a
+# sentencepiece model, a BPE vocabulary.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+def from_transformers(name_or_path: str | Path, dtype: torch.dtype, gguf_file: str | None = None,
+                      local_files_only: bool = False) -> Loaded:
+    """A saved model folder, a hub id, or (with ``gguf_file``) a GGUF file in that folder;
+    ``local_files_only``: a hub id from the local cache, the hub not asked."""
+    folder = Path(name_or_path)
+    if gguf_file is None and folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        # transformers would try to build one and say that sentencepiece or tiktoken is missing
+        from .common import ModelUnavailableError
+
+        raise ModelUnavailableError(
+            f"{folder} has a model but no tokenizer (none of {', '.join(TOKENIZER_FILES)}): save the tokenizer of "
+            "the model beside it (tokenizer.save_pretrained(folder)); a draft model needs its target's tokenizer")
     options = {}
     if gguf_file is not None:
         try:  # plain dense weights: newer transformers may keep them packed for its own kernels
@@ -46,8 +61,11 @@ def from_transformers(name_or_path: str | Path, dtype: torch.dtype, gguf_file: s
         except ImportError:  # transformers 5.0 has no GgufConfig, and always de-quantizes
             pass
     with no_transformers_bars():
+        if local_files_only:
+            options["local_files_only"] = True
         model = AutoModelForCausalLM.from_pretrained(name_or_path, gguf_file=gguf_file, dtype=dtype, **options)
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path, gguf_file=gguf_file)
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, gguf_file=gguf_file,
+                                                  **({"local_files_only": True} if local_files_only else {}))
     return model.eval(), tokenizer
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -94,11 +95,51 @@ def load(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
             f"No model folder or .gguf file at {path}. Known names: {', '.join(names)}"
         )
 
+    not_here = f"{key!r} is not a known name ({', '.join(names)}), a local folder or .gguf file"
+    if not _HUB_ID.fullmatch(key):
+        raise ModelUnavailableError(f"{not_here}, or a Hugging Face hub id")
+    # Ask the hub only when it answers: offline, transformers retries each file for tens of
+    # seconds, with a warning each time, before its own error (issue 31).
+    online = hub_reachable()
+    if not online and not _in_hub_cache(key):
+        raise ModelUnavailableError(f"{not_here}, or a model in the local Hugging Face cache, and the hub "
+                                    f"({_hub_host()}) cannot be reached from here to look for it")
     try:
-        return from_transformers(key, dtype)
+        return from_transformers(key, dtype, local_files_only=not online)
     except OSError as err:
-        raise ModelUnavailableError(
-            f"Could not load {key!r}: not a known name ({', '.join(names)}), local path, or hub id "
-            f"reachable from here ({err}). Offline, download it elsewhere or set HF_HUB_OFFLINE=1 to "
-            "use the local Hugging Face cache only."
-        ) from err
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ModelUnavailableError(f"{not_here}, and the hub cannot give it: {first}") from err
+
+
+# owner/name or a bare name, as the hub spells repository ids
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
+def _hub_host() -> str:
+    from urllib.parse import urlparse
+
+    return urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname or "huggingface.co"
+
+
+def hub_reachable(timeout: float = 2.0) -> bool:
+    """Whether the Hugging Face hub answers a TCP connection within ``timeout`` seconds
+    (False at once under ``HF_HUB_OFFLINE``)."""
+    import socket
+
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return False
+    try:
+        with socket.create_connection((_hub_host(), 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    """Whether the local Hugging Face cache holds ``repo_id``'s config."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except Exception:  # an id the hub library refuses, an unreadable cache: not there
+        return False
