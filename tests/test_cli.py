@@ -611,3 +611,41 @@ def test_generation_option_flags_reach_generate_and_every_bench_configuration(ca
     assert rc == 0, err
     data = json.loads(res.read_text())
     assert data["mismatches"] == 0 and any("repetition_penalty=1.5" in n for n in data["notes"])
+
+
+# ---- help -------------------------------------------------------------------------------
+
+
+def command_parser(name):
+    """The parser of ``treespec NAME``, its arguments declared (the table is lazy)."""
+    import importlib
+
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices[name]
+    importlib.import_module(f"treespec.cli.{name.replace('-', '_')}").add_arguments(sub)
+    if name == "tree":
+        sub = next(a for a in sub._actions if a.dest == "tree_command").choices["show"]
+    return sub
+
+
+@pytest.mark.parametrize("name", ["generate", "train-eagle", "capture", "tune", "tree", "export"])
+def test_every_option_has_help(name):
+    """Issue 31: most of train-eagle's options had no help text."""
+    bare = [a.option_strings[0] for a in command_parser(name)._actions
+            if a.option_strings and a.help is None]
+    assert not bare, f"{name}: {bare}"
+
+
+@pytest.mark.parametrize("argv, shown", [
+    (["generate", "--help"], ["--max-new-tokens MAX_NEW_TOKENS", "(default: 128)", "(default: 0.0)"]),
+    (["train-eagle", "--help"], ["(default: 3)", "(default: 0.001)", "(default: eagle3)", "(default: 512)"]),
+    (["capture", "--help"], ["(default: 0.8)", "(default: 64)"]),
+    (["tree", "show", "--help"], ["(default: 100)"]),
+])
+def test_help_shows_defaults(capsys, argv, shown):
+    rc, out, _ = run(capsys, *argv)
+    assert rc == 0
+    text = " ".join(out.split())  # argparse wraps lines
+    for s in shown:
+        assert s in text, s
+    assert "(default: None)" not in text and "(default: False)" not in text

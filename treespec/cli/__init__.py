@@ -52,6 +52,17 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"treespec: error: {message} (see {self.prog} --help)\n")
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """--help gives each option's default, unless its help says it already or there is none
+    (None, a switch that is off)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default is None or action.default is False:
+            return text
+        return super()._get_help_string(action)
+
+
 class _LazyCommands(argparse._SubParsersAction):
     """Subcommands whose arguments their module declares when the command is chosen: the
     top-level ``--help`` needs only the table's help lines."""
@@ -70,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
     sub = parser.add_subparsers(dest="command", required=True, action=_LazyCommands)
     for name, help in COMMANDS.items():
-        sub.add_parser(name, help=help)
+        sub.add_parser(name, help=help, formatter_class=_Help)
     return parser
 
 

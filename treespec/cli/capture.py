@@ -21,15 +21,15 @@ def add_arguments(p):
     p.add_argument("--answers", choices=["target", "reference"], default="target",
                    help="target: the target writes every answer (self-distillation); reference: the data's answers")
     p.add_argument("--sample-share", type=float, default=0.0, help="share of answers sampled instead of greedy")
-    p.add_argument("--sample-temperature", type=float, default=0.8)
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--sample-temperature", type=float, default=0.8, help="temperature of the sampled share")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="the most tokens of each answer")
     p.add_argument("--max-length", type=int, default=512, help="prompt + answer tokens")
     p.add_argument("--batch-size", type=int, default=64,
                    help="requests decoded together, greedy and sampled alike (free to change when resuming)")
     p.add_argument("--shard-size", type=int, default=64, help="conversations per shard file")
     p.add_argument("--features", choices=["both", "eagle3", "eagle1"], default="both",
                    help="features kept: both layouts (default, trains either) or one")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampled share and of the sampled answers")
     add_runtime(p)
 
 

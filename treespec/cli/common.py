@@ -47,16 +47,18 @@ def add_dataset(p):
     p.add_argument("--prompt-field", default=None, help="JSONL field holding the prompt (default: question for "
                    "gsm8k, prompt otherwise)")
     p.add_argument("--raw", action="store_true", help="use the prompts as plain text, without the chat template")
-    p.add_argument("--num-prompts", type=int, default=10)
+    p.add_argument("--num-prompts", type=int, default=10, help="the first N prompts of the dataset")
 
 
 def add_sampling(p, seed=None):
     g = p.add_argument_group("sampling (temperature 0: greedy, the default)")
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--min-p", type=float, default=None)
-    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sample at this temperature")
+    g.add_argument("--top-k", type=int, default=None, help="sample among the K likeliest tokens (off by default)")
+    g.add_argument("--top-p", type=float, default=None,
+                   help="sample among the likeliest tokens holding probability P, in (0, 1] (off by default)")
+    g.add_argument("--min-p", type=float, default=None,
+                   help="drop tokens less likely than P times the likeliest one (off by default)")
+    g.add_argument("--max-new-tokens", type=int, default=128, help="the most tokens to generate per prompt")
     g.add_argument("--seed", type=int, default=seed,
                    help="sampling seed: fixes the output whatever the tree and drafter"
                         + (" (prompt i uses seed + i; default: %(default)s)" if seed is not None else ""))

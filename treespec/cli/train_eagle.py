@@ -15,22 +15,30 @@ def add_arguments(p):
     p.add_argument("--val-captured", default=None, metavar="DIR",
                    help="validate on this capture folder (greedy answers) instead of a share of the training data")
     p.add_argument("--out", required=True, help="output directory (resumes if it holds a run)")
-    p.add_argument("--arch", choices=["eagle3", "eagle1"], default="eagle3")
-    p.add_argument("--draft-vocab", type=int, default=4096, help="EAGLE-3 draft vocabulary (0: full)")
-    p.add_argument("--max-examples", type=int, default=None)
-    p.add_argument("--max-length", type=int, default=512)
+    p.add_argument("--arch", choices=["eagle3", "eagle1"], default="eagle3",
+                   help="eagle3: a head on three of the target's layers with its own draft vocabulary; eagle1: "
+                        "the EAGLE-1/2 head on the last layer's features")
+    p.add_argument("--draft-vocab", type=int, default=4096, help="EAGLE-3 draft vocabulary: the most frequent target tokens of the data (0: the full "
+                        "vocabulary)")
+    p.add_argument("--max-examples", type=int, default=None,
+                   help="train on the first N examples (conversations) of the data (default: all)")
+    p.add_argument("--max-length", type=int, default=512,
+                   help="prompt + answer tokens; longer conversations are skipped and counted")
     p.add_argument("--regenerate", type=int, default=0, metavar="N",
                    help="self-distil: replace the answers of the first N examples by the target's own (-1: all)")
-    p.add_argument("--regen-max-new-tokens", type=int, default=256)
-    p.add_argument("--epochs", type=float, default=2.0)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--ttt-steps", type=int, default=3)
+    p.add_argument("--regen-max-new-tokens", type=int, default=256,
+                   help="with --regenerate: the most tokens of each answer the target writes")
+    p.add_argument("--epochs", type=float, default=2.0, help="passes over the training data (fractions allowed)")
+    p.add_argument("--batch-size", type=int, default=8, help="conversations per optimiser step")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate (after a warm-up)")
+    p.add_argument("--ttt-steps", type=int, default=3,
+                   help="training-time-test steps: the head also learns from its own drafts this many tokens deep "
+                        "(EAGLE-3)")
     p.add_argument("--soft-labels", action="store_true",
                    help="train on the target's whole next-token distribution over the draft vocabulary "
                         "(from the captured final state, as EAGLE-3 trains) instead of its one token; "
                         "needs --captured with features 'both'")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the head's initialisation, shuffling and split")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="compute dtype of training (bf16 autocast; weights and optimiser state stay fp32). "
                         "auto: bf16 on a GPU or a CPU with native bf16, else float32")

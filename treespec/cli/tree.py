@@ -18,14 +18,15 @@ def add_arguments(p):
         description="Draw a preset's (or JSON file's) shape. With --prompt or --chat: load the model and draft, "
                     "draw the tree the draft proposes at the first step, labelled with decoded tokens, and "
                     "highlight the path the model accepts (greedy).",
+        formatter_class=p.formatter_class,  # the defaults shown, as every command's
     )
-    s.add_argument("tree", metavar="PRESET|CONFIG.json")
+    s.add_argument("tree", metavar="PRESET|CONFIG.json", help="a preset name or a JSON tree file")
     s.add_argument("--out", required=True, help="PNG file to write")
     add_prompt_source(s, "plain text prompt: draw the tree drafted for it",
                       "a user message (chat template applied): draw the tree drafted for it")
     add_model(s, help="target, with --prompt/--chat (default: %(default)s)")
     s.add_argument("--draft", default=DEFAULT_DRAFT, help="draft, with --prompt/--chat (default: %(default)s)")
-    s.add_argument("--dpi", type=int, default=100)
+    s.add_argument("--dpi", type=int, default=100, help="resolution of the PNG")
     # float32 on the CPU on plain weights unless asked: one step needs no speed, and the
     # tree drawn follows the draft's scores, which bf16 would move.
     add_runtime(s, device="cpu", dtype="float32", pack=False)
