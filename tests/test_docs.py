@@ -183,3 +183,14 @@ def test_torch_install_lines_name_the_cpu_index():
     assert any(CPU_INDEX in ln for n, ln in lines if n == "run")  # .ci/run, where no local wheel is offered
     readme = (ROOT / "README.md").read_text()
     assert "installs the **CUDA** build" in readme and "**CUDA:** bring your own torch build" in readme
+
+
+def test_readme_says_what_greedy_exactness_holds_in_fp32_and_bf16():
+    """Issue 31: the README promised "token for token when greedy" with no bf16 caveat beside it,
+    and its snippet's greedy answer in bf16 differs between 1 and 2 threads."""
+    readme = (ROOT / "README.md").read_text()
+    promise = readme.index("token for token when greedy")
+    near = " ".join(readme[promise: promise + 1600].split())
+    assert "in **float32** the greedy output is identical to HF `model.generate`'s" in near
+    assert "In **bfloat16**" in near and "near-tie" in near and "thread counts" in near
+    assert "--dtype float32" in near
