@@ -15,7 +15,6 @@ import logging
 from pathlib import Path
 
 from .data import dataset_path, read_jsonl
-from .warn import warn
 
 __all__ = ["PROMPT_SETS", "dataset_file", "load_prompts", "encode_prompt"]
 
@@ -55,7 +54,7 @@ def load_prompts(dataset: str, tokenizer, num_prompts: int | None = None, *, pro
     message to complete the function), ``"chat"`` (treespec's held-out chat prompts) or a
     JSONL file (field ``prompt_field``, default ``prompt``). Prompts go through the
     tokenizer's chat template as one user message, unless ``raw`` or the tokenizer has none
-    (then the text is used as is, format ``"raw"``; the latter warns, TreespecWarning).
+    (then the text is used as is, format ``"raw"``; a warning is logged for the latter).
     """
     if num_prompts is not None and num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
@@ -73,7 +72,7 @@ def load_prompts(dataset: str, tokenizer, num_prompts: int | None = None, *, pro
         texts.append(text)
     chat = not raw and bool(getattr(tokenizer, "chat_template", None))
     if not raw and not chat:
-        warn(f"the tokenizer has no chat template: using the {dataset} prompts as plain text (raw=True says so)")
+        log.warning("the tokenizer has no chat template: using the %s prompts as plain text", dataset)
     out = [encode_prompt(tokenizer, instruction.format(text=t) if chat else t, chat) for t in texts]
     return out, "chat" if chat else "raw"
 
