@@ -224,3 +224,38 @@ def test_stop_strings_end_a_request_across_token_boundaries_as_hf_does(tmp_path)
         assert streamed == want
     with pytest.raises(ValueError, match="stop_strings needs the tokenizer"):
         treespec.generate(model, "ngram", "cpu", prompt, stop_strings=["x"])
+
+
+# ---- model.generate(custom_generate=...) ------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["ngram", "twin", "hybrid"])
+def test_custom_generate_is_a_drop_in_for_model_generate(kind):
+    """The call a user already has, plus custom_generate: the same tensor back, padded batch
+    included (left padding in, right padding out), with the same options."""
+    model = target(0)
+    ids = torch.tensor([[0, 0, 5, 9, 5, 9, 2], [4, 8, 15, 16, 23, 42, 8]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]])
+    kw = dict(attention_mask=mask, max_new_tokens=10, repetition_penalty=1.3, no_repeat_ngram_size=2,
+              eos_token_id=7, pad_token_id=0, do_sample=False)
+    want = model.generate(ids, **kw)
+    got = model.generate(ids, custom_generate=treespec.custom_generate(drafter(kind, 0), "cpu"), **kw)
+    assert torch.equal(got, want)
+    gc = GenerationConfig(max_new_tokens=6, min_new_tokens=4, eos_token_id=7, pad_token_id=0, suppress_tokens=[3])
+    out = model.generate(ids, attention_mask=mask, generation_config=gc, return_dict_in_generate=True,
+                         custom_generate=treespec.custom_generate(drafter(kind, 0), "chain-3"))
+    assert torch.equal(out.sequences, model.generate(ids, attention_mask=mask, generation_config=gc))
+    with pytest.raises(ValueError, match="output_scores"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, output_scores=True, return_dict_in_generate=True,
+                       custom_generate=treespec.custom_generate("ngram", "cpu"))
+
+
+def test_custom_generate_samples_with_the_seed_torch_was_given():
+    model = target(1)
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    kw = dict(max_new_tokens=12, do_sample=True, temperature=0.9, top_k=20)
+    runs = []
+    for d, tree in (("ngram", "cpu"), (drafter("twin", 1), "chain-3")):
+        torch.manual_seed(11)
+        runs.append(model.generate(ids, custom_generate=treespec.custom_generate(d, tree), **kw))
+    assert torch.equal(runs[0], runs[1]) and runs[0].shape == (1, 17)
