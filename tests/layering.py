@@ -40,7 +40,7 @@ class Layer:
 
 # Bottom to top.
 LAYERS: tuple[Layer, ...] = (
-    Layer("foundations", ("tree", "mask", "config", "sampling", "processing", "verify", "builder", "data", "assets"),
+    Layer("foundations", ("tree", "config", "builder", "verify", "processing", "sampling", "mask", "data", "assets"),
           "values and pure functions on them, and the files that ship; no model runs here"),
     Layer("execution", ("models", "packing", "threads", "kv_cache", "attention", "runner"),
           "loading a model and running its forward over trees on the paged KV cache"),
@@ -48,9 +48,9 @@ LAYERS: tuple[Layer, ...] = (
           "how big a tree is worth verifying: calibrated scores, measured forward costs"),
     Layer("drafters", ("drafters",), "who proposes the tree"),
     Layer("decoding", ("engine",), "the loop: prefill, then draft -> verify -> commit"),
-    Layer("tools", ("divergence", "machine", "text", "prompts", "viz", "export", "bench", "tune", "train"),
+    Layer("tools", ("divergence", "machine", "bench", "tune", "text", "viz", "export", "prompts", "train"),
           "what is built on generate: benchmarks, tuning, training, pictures, serving, streaming"),
-    Layer("entry points", ("cli", ROOT), "the command line, and the package's lazy public names"),
+    Layer("entry points", (ROOT, "cli"), "the package's lazy public names, and the command line"),
 )
 
 # (importer, imported) -> why the import may go against the rule.
