@@ -4,10 +4,15 @@ can be read (and each module tested) bottom-up. The graph, the layer table and t
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import networkx as nx
 import pytest
 
-from layering import EXCEPTIONS, LAYERS, ROOT, import_graph, place, violations
+from layering import EXCEPTIONS, LAYERS, PACKAGE, ROOT, import_graph, place, violations
+
+ARCHITECTURE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 
 
 def _edges(g: nx.DiGraph):
@@ -46,6 +51,17 @@ def test_imports_go_down_the_layers():
     assert not bad, "imports against the layers (tests/layering.py):\n" + "\n".join(bad)
     for a, b in EXCEPTIONS:  # an exception that no longer happens is dropped, not kept
         assert g.has_edge(a, b), f"EXCEPTIONS lists {a} -> {b}, which is no import any more"
+
+
+def test_docs_table_is_the_layers():
+    """docs/architecture.md's table lists each layer's entries as LAYERS does, in order
+    (a package as ``name/``)."""
+    row = re.compile(r"^\| (?P<i>\d+) (?P<name>[^|]+?) \| (?P<entries>[^|]+) \|", re.M)
+    rows = {int(m["i"]): (m["name"], re.findall(r"`([^`]+)`", m["entries"]))
+            for m in row.finditer(ARCHITECTURE.read_text())}
+    expected = {i: (layer.name, [f"{e}/" if (PACKAGE / e / "__init__.py").exists() else e for e in layer.modules])
+                for i, layer in enumerate(LAYERS)}
+    assert rows == expected
 
 
 @pytest.mark.parametrize("edge, message", [
