@@ -120,7 +120,7 @@ def architecture() -> Path:
             pos[entry], width[entry], level[entry] = (x + wi / 2, y + band_h / 2), wi, i
             x += wi + gap
 
-    for a, b in arrows.edges:
+    for a, b in sorted(arrows.edges):  # a fixed order, so the PNG is the same bytes each run
         (xa, ya), (xb, yb) = pos[a], pos[b]
         colour = colours[level[a]]
         if ya == yb:  # within a layer: an arc over the boxes between, higher the longer, inside the band
