@@ -93,6 +93,7 @@ def exact_generation_config(model, **fields) -> GenerationConfig:
 
 
 def _checked(model, cfg: GenerationConfig) -> GenerationConfig:
+    cfg.validate()  # what generate checks first: contradictory options raise transformers' own error
     defaults = model.generation_config._get_default_generation_params()
     for name, why in UNSUPPORTED.items():
         value = getattr(cfg, name, None)
