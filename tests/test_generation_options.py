@@ -262,3 +262,25 @@ def test_custom_generate_samples_with_the_seed_torch_was_given():
         torch.manual_seed(11)
         runs.append(model.generate(ids, custom_generate=treespec.custom_generate(d, tree), **kw))
     assert torch.equal(runs[0], runs[1]) and runs[0].shape == (1, 17)
+
+
+def test_output_scores_are_the_processed_logits_generate_reports():
+    """Each generated token's processed logits, as generate(output_scores=True) gives them:
+    the greedy token is their argmax, and they equal HF's (fp32, a tiny model)."""
+    model = target(0)
+    prompt = [3, 1, 4, 1, 5, 9]
+    kw = dict(repetition_penalty=1.4, no_repeat_ngram_size=2)
+    out = treespec.generate(model, drafter("twin", 0), "cpu", prompt, max_new_tokens=10, output_scores=True, **kw)
+    ids = torch.tensor([prompt])
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
+                         output_scores=True, return_dict_in_generate=True, **kw)
+    assert out.sequences[0] == ref.sequences[0, len(prompt):].tolist()
+    assert out.scores[0].shape == (10, V)
+    torch.testing.assert_close(out.scores[0], torch.cat(ref.scores), rtol=1e-4, atol=1e-4)
+    assert out.scores[0].argmax(-1).tolist() == out.sequences[0]
+    steps = list(treespec.stream(model, drafter("twin", 0), "cpu", [prompt, prompt[:2]], max_new_tokens=10,
+                                 output_scores=True, **kw))
+    assert all(len(s.scores[i]) == len(s.tokens[i]) for s in steps for i in range(2))
+    assert treespec.generate(model, "ngram", "cpu", prompt, max_new_tokens=3).scores is None
+    with pytest.raises(ValueError, match="output_logits"):
+        treespec.generate(model, "ngram", "cpu", prompt, output_logits=True)

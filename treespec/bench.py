@@ -295,20 +295,17 @@ def run_bench(
                   from (each auto configuration learns into its own copy, across its
                   warm-up and prompts); None: a fresh one each (cost curve from the disk cache,
                   calibrations the draft's own or else the prior).
-        options:  generation options (GenerationConfig fields: ``repetition_penalty``, ...),
-                  given to every configuration alike, HF's baselines included.
-        tokenizer: for ``stop_strings`` among the options (transformers needs it too).
+        options, tokenizer: generation options (GenerationConfig fields) for every configuration
+                  alike, HF's included; the tokenizer for ``stop_strings`` among them.
     """
+    # long: half of it is the keyword arguments and their docs; the body is one loop, prompts x configurations
     sp = SamplingParams(temperature, top_k, top_p, min_p)
     gen = dict(options=dict(options or {}), tokenizer=tokenizer)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if not prompts:
         raise ValueError("run_bench needs at least one prompt")
-    results, notes = _results(configs, sp)
-    if gen["options"]:
-        notes.append("generation options, for every configuration: "
-                     + ", ".join(f"{k}={v!r}" for k, v in sorted(gen["options"].items())))
+    results, notes = _results(configs, sp, gen["options"])
     active = [r for r in results if r.skipped is None]
     profiles = _auto_profiles(model, active, auto_profile)
     dtype = next(model.parameters()).dtype
@@ -341,9 +338,10 @@ def run_bench(
                        fast_path=getattr(fast_path, "description", None) if fast_path is not None else None)
 
 
-def _results(configs: Sequence[BenchConfig], sp: SamplingParams) -> tuple[list[ConfigResult], list[str]]:
+def _results(configs: Sequence[BenchConfig], sp: SamplingParams, options: dict) -> tuple[list[ConfigResult], list[str]]:
     """One result per configuration, plain HF generate first (the baseline of every ratio),
-    prompt lookup skipped when sampling; and the notes that say what was skipped."""
+    prompt lookup skipped when sampling; and the notes that say what was skipped and which
+    generation options every configuration ran with."""
     plain = BenchConfig.hf_generate()
     configs = [plain] + [c for c in configs if c != plain]
     names = [c.name for c in configs]
@@ -358,6 +356,9 @@ def _results(configs: Sequence[BenchConfig], sp: SamplingParams) -> tuple[list[C
                 r.skipped = "prompt lookup is benchmarked greedy only"
                 notes.append(f"{r.config.name} skipped: {r.skipped}")
         notes.append("sampling: outputs are not compared token for token (same distribution, different draws)")
+    if options:
+        notes.append("generation options, for every configuration: "
+                     + ", ".join(f"{k}={v!r}" for k, v in sorted(options.items())))
     return results, notes
 
 
