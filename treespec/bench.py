@@ -318,7 +318,7 @@ def _run_one_inner(model, cfg: BenchConfig, prompt: list[int], max_new_tokens: i
 
 def run_bench(
     model,
-    prompts: Sequence[Sequence[int]],
+    prompts: Sequence[Sequence[int] | Prompt],
     configs: Sequence[BenchConfig],
     *,
     max_new_tokens: int = 128,
@@ -340,7 +340,8 @@ def run_bench(
 
     Args:
         model:    the target, a transformers causal LM.
-        prompts:  token ids per prompt.
+        prompts:  token ids per prompt, or :class:`~treespec.prompts.Prompt` values (a
+                  category each; several turns, each after the configuration's own answer).
         configs:  the configurations; an HF generate baseline is put first if missing.
                   Prompt lookup is skipped (with a note) when sampling.
         seed:     prompt i is sampled with seed ``seed + i`` in every configuration.
@@ -359,59 +360,58 @@ def run_bench(
                   calibrations the draft's own or else the prior).
         options:  generation options (GenerationConfig fields: ``repetition_penalty``, ...),
                   given to every configuration alike, HF's baselines included.
-        tokenizer: for ``stop_strings`` among the options (transformers needs it too).
+        tokenizer: for ``stop_strings`` among the options (transformers needs it too), and
+                  to template a multi-turn prompt's later turns.
     """
     sp = SamplingParams(temperature, top_k, top_p, min_p)
     gen = dict(options=dict(options or {}), tokenizer=tokenizer)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    if not prompts:
-        raise ValueError("run_bench needs at least one prompt")
-    prompts = [p if isinstance(p, Prompt) else Prompt(tuple(p)) for p in prompts]
-    if tokenizer is None and any(p.num_turns > 1 for p in prompts):
-        raise ValueError("multi-turn prompts need tokenizer= (later turns are templated after the answers)")
-    results, notes = _results(configs, sp)
-    if gen["options"]:
-        notes.append("generation options, for every configuration: "
-                     + ", ".join(f"{k}={v!r}" for k, v in sorted(gen["options"].items())))
-    if any(p.num_turns > 1 for p in prompts):
-        notes.append("multi-turn prompts: each turn after the configuration's own answers, up to max_new_tokens "
-                     "each; tokens and seconds summed over turns")
+    prompts = _as_prompts(prompts, tokenizer)
+    callback = callback or (lambda progress: None)
+    results, notes = _results(configs, sp, gen["options"], any(p.num_turns > 1 for p in prompts))
     active = [r for r in results if r.skipped is None]
     profiles = _auto_profiles(model, active, auto_profile)
     dtype = next(model.parameters()).dtype
-    tolerance = near_tie_tolerance if near_tie_tolerance is not None else NEAR_TIE_TOLERANCE.get(dtype, 1.0)
-    judge = _Judge(tolerance)
+    judge = _Judge(near_tie_tolerance if near_tie_tolerance is not None else NEAR_TIE_TOLERANCE.get(dtype, 1.0))
 
     if warmup:  # first calls run several times slower (allocations, kernel selection)
         for i, r in enumerate(active):
             _run_one(model, r.config, list(prompts[0].ids[:16]), min(16, max_new_tokens), sp, seed, attention_backend,
                      fast_path, profiles.get(r.config.name), **gen)
-            if callback:
-                callback(BenchProgress("warmup", i + 1, len(active), r.config.name))
+            callback(BenchProgress("warmup", i + 1, len(active), r.config.name))
 
     for i, prompt in enumerate(prompts):
         s = None if seed is None else seed + i
         for r in active:
-            if callback:
-                callback(BenchProgress("prompts", i, len(prompts), r.config.name))
+            callback(BenchProgress("prompts", i, len(prompts), r.config.name))
             rec = _run_prompt(model, r.config, prompt, max_new_tokens, sp, s, attention_backend, fast_path,
                               profiles.get(r.config.name), **gen)
             r.runs.append(rec)
             log.info("prompt %d %s: %d tokens, %.1f tokens/s", i, r.config.name, len(rec.tokens), rec.tokens_per_second)
             if sp.greedy and r is not results[0] and rec.tokens != results[0].runs[i].tokens:
                 judge(model, r, i, results[0].runs[i], rec)
-        if callback:
-            callback(BenchProgress("prompts", i + 1, len(prompts), None))
+        callback(BenchProgress("prompts", i + 1, len(prompts), None))
     return BenchResult([len(p.ids) for p in prompts], results, sp, max_new_tokens, seed, notes,
                        dtype=str(dtype).removeprefix("torch."),
                        fast_path=getattr(fast_path, "description", None) if fast_path is not None else None,
                        categories=[p.category for p in prompts], turns=[p.num_turns for p in prompts])
 
 
-def _results(configs: Sequence[BenchConfig], sp: SamplingParams) -> tuple[list[ConfigResult], list[str]]:
+def _as_prompts(prompts, tokenizer) -> list[Prompt]:
+    if not prompts:
+        raise ValueError("run_bench needs at least one prompt")
+    prompts = [p if isinstance(p, Prompt) else Prompt(tuple(p)) for p in prompts]
+    if tokenizer is None and any(p.num_turns > 1 for p in prompts):
+        raise ValueError("multi-turn prompts need tokenizer= (later turns are templated after the answers)")
+    return prompts
+
+
+def _results(configs: Sequence[BenchConfig], sp: SamplingParams, options: dict,
+             multi_turn: bool) -> tuple[list[ConfigResult], list[str]]:
     """One result per configuration, plain HF generate first (the baseline of every ratio),
-    prompt lookup skipped when sampling; and the notes that say what was skipped."""
+    prompt lookup skipped when sampling; and the notes that say what was skipped, the
+    generation options and how multi-turn prompts ran."""
     plain = BenchConfig.hf_generate()
     configs = [plain] + [c for c in configs if c != plain]
     names = [c.name for c in configs]
@@ -426,6 +426,12 @@ def _results(configs: Sequence[BenchConfig], sp: SamplingParams) -> tuple[list[C
                 r.skipped = "prompt lookup is benchmarked greedy only"
                 notes.append(f"{r.config.name} skipped: {r.skipped}")
         notes.append("sampling: outputs are not compared token for token (same distribution, different draws)")
+    if options:
+        notes.append("generation options, for every configuration: "
+                     + ", ".join(f"{k}={v!r}" for k, v in sorted(options.items())))
+    if multi_turn:
+        notes.append("multi-turn prompts: each turn after the configuration's own answers, up to max_new_tokens "
+                     "each; tokens and seconds summed over turns")
     return results, notes
 
 
@@ -681,8 +687,8 @@ def _main_columns(data: dict, wide: bool, max_positions: int) -> list[_Column]:
                 "committing)"),
         _Column("mismatch", lambda c: _mismatch_cell(c, greedy, wide),
                 "greedy only: prompts whose output differs from HF generate's, each judged in fp32 at its first "
-                "differing token: a rounding near-tie (bf16 can tie) or unexplained (a bug; bench exits with "
-                "status 1); '-' not compared"),
+                "differing token: a rounding near-tie (bf16 or packed weights can round two logits level) or "
+                "unexplained (a bug; bench exits with status 1); '-' not compared"),
     ]
 
 
@@ -784,8 +790,8 @@ def _legend(meanings: dict[str, str]) -> str:
     import textwrap
 
     w = max(len(h) for h in meanings if len(h) <= 18)
-    return "\n".join(textwrap.fill(text, TABLE_WIDTH, initial_indent=f"{head:<{w}}  " if len(head) <= w else f"{head}: ",
-                                   subsequent_indent=" " * (w + 2), break_on_hyphens=False)
+    return "\n".join(textwrap.fill(text, TABLE_WIDTH, subsequent_indent=" " * (w + 2), break_on_hyphens=False,
+                                   initial_indent=f"{head:<{w}}  " if len(head) <= w else f"{head}: ")
                      for head, text in meanings.items())
 
 

@@ -128,18 +128,16 @@ def run(args):
                     attention_backend=args.backend, callback=bars, fast_path=loaded.fast, auto_profile=profile,
                     options=generation_options(args), tokenizer=loaded.tokenizer)
     bars.close()
-    def prompts_in(category):
-        return sum(p.category == category for p in prompts)
-
     data = to_json(res, command="treespec " + shlex.join(portable(a) for a in args.argv), model=args.model,
                    dataset=portable(args.dataset), prompt_format=fmt)
+    counts = {c: sum(p.category == c for p in prompts) for c in data.get("categories", [])}
     report = "\n".join([
-        f"{args.model} on {data['dataset']} ({fmt} prompts): {len(prompts)} prompt(s)"
-        + (f" ({', '.join(f'{prompts_in(c)} {c}' for c in data['categories'])})" if data.get("categories") else "")
-        + f", {args.max_new_tokens} new tokens" + (" a turn" if any(p.num_turns > 1 for p in prompts) else "")
-        + ", " + ("greedy" if sp.greedy else f"temperature {sp.temperature}"),
+        _wrap(f"{args.model} on {data['dataset']} ({fmt} prompts): {len(prompts)} prompt(s)"
+              + _per_category(counts) + f", {args.max_new_tokens} new tokens"
+              + (" a turn" if any(p.num_turns > 1 for p in prompts) else "")
+              + ", " + ("greedy" if sp.greedy else f"temperature {sp.temperature}")),
         format_table(data, wide=args.wide),
-        *(f"note: {note}" for note in data["notes"]),
+        *(_wrap(f"note: {note}") for note in data["notes"]),
     ]) + "\n"
     sys.stdout.write(report)
     if args.out:
@@ -159,3 +157,20 @@ def run(args):
               + "; ".join(f"{c['name']} on {c['unexplained']} prompt(s)" for c in bad), file=sys.stderr)
         return 1
     return 0
+
+
+def _per_category(counts: dict[str, int]) -> str:
+    if not counts:
+        return ""
+    if len(set(counts.values())) == 1:
+        return f", {next(iter(counts.values()))} per category"
+    return " (" + ", ".join(f"{n} {c}" for c, n in counts.items()) + ")"
+
+
+def _wrap(text: str) -> str:
+    """A line of the report within the table's width (a long path stays whole)."""
+    import textwrap
+
+    from ..bench import TABLE_WIDTH
+
+    return textwrap.fill(text, TABLE_WIDTH, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)
