@@ -48,7 +48,7 @@ LAYERS: tuple[Layer, ...] = (
           "how big a tree is worth verifying: calibrated scores, measured forward costs"),
     Layer("drafters", ("drafters",), "who proposes the tree"),
     Layer("decoding", ("engine",), "the loop: prefill, then draft -> verify -> commit"),
-    Layer("tools", ("divergence", "machine", "bench", "tune", "text", "viz", "export", "prompts", "dropin", "train"),
+    Layer("tools", ("divergence", "machine", "prompts", "bench", "tune", "text", "viz", "export", "dropin", "train"),
           "what is built on generate: benchmarks, tuning, training, pictures, serving, streaming"),
     Layer("entry points", (ROOT, "cli"), "the package's lazy public names, and the command line"),
 )
