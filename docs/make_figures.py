@@ -6,16 +6,19 @@ Deterministic (seeded), headless (matplotlib's Agg canvas), and small (dpi 100).
 from __future__ import annotations
 
 import sys
+import textwrap
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+sys.path.insert(0, str(ROOT / "tests"))  # the layer table the import test checks
 
 from treespec import PRESETS  # noqa: E402
 from treespec.builder import Frontier, build_dynamic_trees  # noqa: E402
 from treespec.viz import save_tree_png  # noqa: E402
+import layering  # noqa: E402
 
 OUT = ROOT / "docs" / "images"
 
@@ -68,9 +71,94 @@ def cpu_example() -> Path:
     return path
 
 
+def architecture() -> Path:
+    """The layers of tests/layering.py as bands, bottom to top; each module (or package) a box
+    in its layer's order; an arrow from importer to imported, in the importer's colour, for
+    each import not implied by a chain of others (the transitive reduction: about half the
+    arrows, and what each box reaches is unchanged)."""
+    import networkx as nx
+    from matplotlib.figure import Figure
+    from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
+
+    graph = layering.import_graph()
+    # One node per table entry (a package's modules together), one edge per importing pair.
+    boxes = nx.DiGraph()
+    subs: dict[str, list[str]] = {}
+    for module in graph:
+        entry = layering.entry_of(module)
+        boxes.add_node(entry)
+        if module.count(".") == 2:  # a package's submodule
+            subs.setdefault(entry, []).append(module.rsplit(".", 1)[1])
+    for a, b in graph.edges:
+        if layering.entry_of(a) != layering.entry_of(b):
+            boxes.add_edge(layering.entry_of(a), layering.entry_of(b))
+    exceptions = {(layering.entry_of(a), layering.entry_of(b)) for a, b in layering.EXCEPTIONS}
+    arrows = nx.transitive_reduction(boxes)
+
+    left, right, band_h, box_h = 2.9, 15.8, 1.0, 0.42
+    colours = ["#4c72b0", "#55a868", "#c44e52", "#8172b2", "#ccb974", "#64b5cd", "#8c8c8c"]
+    fig = Figure(figsize=(16, 1.05 * len(layering.LAYERS) + 0.6), dpi=100)
+    ax = fig.add_axes((0, 0, 1, 1))
+    ax.set_xlim(0, 16)
+    ax.set_ylim(-0.15, len(layering.LAYERS) * band_h + 0.45)
+    ax.axis("off")
+
+    pos, width, level = {}, {}, {}
+    for i, layer in enumerate(layering.LAYERS):
+        y = i * band_h
+        ax.add_patch(FancyBboxPatch((0.1, y + 0.04), right - 0.05, band_h - 0.08, facecolor=colours[i], alpha=0.10,
+                                    boxstyle="round,pad=0,rounding_size=0.08", edgecolor="none", zorder=0))
+        ax.text(0.25, y + band_h / 2 + 0.12, f"{i}  {layer.name}", fontsize=12, weight="bold", va="center",
+                color=colours[i])
+        ax.text(0.25, y + band_h / 2 - 0.16, textwrap.fill(layer.purpose, 34), fontsize=7.5, va="center",
+                color="#444")
+        # Package boxes are wider, to list their modules.
+        w = [2.3 if e in subs else 1.5 if e == layering.ROOT else 1.15 for e in layer.modules]
+        gap = (right - left - sum(w)) / len(w)
+        x = left + gap / 2
+        for entry, wi in zip(layer.modules, w):
+            pos[entry], width[entry], level[entry] = (x + wi / 2, y + band_h / 2), wi, i
+            x += wi + gap
+
+    for a, b in sorted(arrows.edges):  # a fixed order, so the PNG is the same bytes each run
+        (xa, ya), (xb, yb) = pos[a], pos[b]
+        colour = colours[level[a]]
+        if ya == yb:  # within a layer: an arc over the boxes between, higher the longer, inside the band
+            rad = 2 * (0.08 + 0.025 * abs(xb - xa)) / abs(xb - xa)  # arc3 peaks rad * distance / 2 high
+            start, end, rad = (xa, ya + box_h / 2), (xb, yb + box_h / 2), rad if xb < xa else -rad
+        elif yb > ya:  # up the layers: only an import EXCEPTIONS allows
+            start, end, rad = (xa, ya + box_h / 2), (xb, yb - box_h / 2), 0.0
+        else:
+            start, end, rad = (xa, ya - box_h / 2), (xb, yb + box_h / 2), 0.0
+        style = dict(color="#d62728", ls="--", lw=1.2) if (a, b) in exceptions else dict(color=colour, lw=1.1)
+        ax.add_patch(FancyArrowPatch(start, end, connectionstyle=f"arc3,rad={rad}", arrowstyle="-|>",
+                                     mutation_scale=10, alpha=0.8, zorder=1, **style))
+
+    for entry, (x, y) in pos.items():
+        w = width[entry]
+        ax.add_patch(FancyBboxPatch((x - w / 2, y - box_h / 2), w, box_h, boxstyle="round,pad=0,rounding_size=0.06",
+                                    facecolor="white", edgecolor=colours[level[entry]], lw=1.2, zorder=2))
+        if entry in subs:
+            ax.text(x, y + 0.09, f"{entry}/", ha="center", va="center", fontsize=10.5, weight="bold", zorder=3)
+            ax.text(x, y - 0.1, textwrap.fill(" ".join(sorted(subs[entry])), 44), ha="center", va="center",
+                    fontsize=6.5, color="#333", zorder=3)
+        else:
+            ax.text(x, y, "treespec/__init__" if entry == layering.ROOT else entry, ha="center", va="center",
+                    fontsize=10, zorder=3)
+
+    ax.text(0.25, len(layering.LAYERS) * band_h + 0.2,
+            "treespec's layers (tests/layering.py): a module imports only lower layers, and the modules listed "
+            "before it in its own.  Arrows: importer -> imported, those implied by a chain of others left out; "
+            "dashed red: the one listed exception",
+            fontsize=9.5, va="center")
+    path = OUT / "architecture.png"
+    fig.savefig(path)
+    return path
+
+
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
-    for path in (eagle1(), cpu_example()):
+    for path in (eagle1(), cpu_example(), architecture()):
         print(f"wrote {path.relative_to(ROOT)} ({path.stat().st_size // 1024} KB)")
 
 

@@ -15,12 +15,13 @@ import torch
 
 from treespec import cli, models
 from treespec.assets import DRAFTS
+from treespec.bench import format_table
 from treespec.cli.bench import bench_pairs as _bench_pairs
 from treespec.cli.common import portable as _portable
 from treespec.drafters import RecordingDrafter
 from treespec.text import TextStream
 
-from tiny import STORIES260K_MISSING, save_tiny_lm, stories260k_gguf, tiny_model
+from tiny import CHATML, STORIES260K_MISSING, save_tiny_lm, stories260k_gguf, tiny_model
 
 PNG = b"\x89PNG\r\n\x1a\n"
 SHIPPED = "smollm2-135m-instruct-eagle"
@@ -136,6 +137,7 @@ def test_missing_head_directory(capsys, tmp_path):
 @pytest.mark.parametrize("flags, expect", [
     (["--draft", "ngram", "--dataset", "squad"], "unknown dataset 'squad'"),
     (["--draft", "ngram", "--dataset", "missing.jsonl"], "no dataset file"),
+    (["--draft", "ngram", "--dataset", "spec-bench:poetry"], "unknown Spec-Bench category 'poetry'"),
     (["--config", "ngram"], "DRAFT@TREE"),
     (["--config", "ngram@cpu", "--draft", "ngram"], "--config"),
     (["--config", "ngram@nope"], "unknown tree preset 'nope'"),
@@ -418,6 +420,59 @@ def test_bench_greedy_json_and_plots(capsys, tmp_path, tiny_dataset, lm_dir):
     text = (tmp_path / "r.txt").read_text()  # the same table beside the JSON, without progress bars
     assert text.startswith(f"$ {data['command']}\n") and "ngram/cpu" in text
     assert "\r" not in text and "%|" not in text and text.splitlines()[1] in stdout
+
+
+def table_blocks(text: str) -> list[list[str]]:
+    """The column heads of each table in ``text`` (a heads line is followed by a rule)."""
+    lines = text.splitlines()
+    return [re.split(r"\s{2,}", lines[k - 1].strip()) for k, ln in enumerate(lines) if k and set(ln) == {"-"}]
+
+
+def test_bench_spec_bench_leaderboard_table_legend_json_and_png(capsys, tmp_path, tmp_path_factory):
+    """--dataset spec-bench: one question per category (--num-prompts is per category), the
+    conversation's two turns; the leaderboard's table and the details, within 100 columns, a
+    legend naming every column; per-category JSON; the grouped-bar PNG."""
+    lm = save_tiny_lm(tmp_path_factory.mktemp("tiny-chat"), chat_template=CHATML, max_position_embeddings=4096)
+    out = tmp_path / "sb.json"
+    rc, stdout, err = run(capsys, "bench", "--model", str(lm), "--dataset", "spec-bench", "--num-prompts", "1",
+                          "--max-new-tokens", "4", "--config", "ngram@cpu-tiny", "--no-warmup",
+                          "--out", str(out), "--plot-dir", str(tmp_path / "plots"))
+    assert rc == 0, err
+    data = json.loads(out.read_text())
+    cats = ["conversation", "translation", "summarization", "qa", "math_reasoning", "rag"]
+    assert data["categories"] == cats and data["settings"]["num_prompts"] == 6
+    # packed fp32 weights may round a long prompt's logits to a near-tie; nothing else may differ
+    assert data["prompts"][0]["turns"] == 2 and data["unexplained_mismatches"] == 0
+    for c in data["configs"]:
+        assert list(c["categories"]) == cats
+        assert c["overall_speedup"] == pytest.approx(sum(c["categories"][k]["speedup"] for k in cats) / 6)
+    assert (tmp_path / "plots" / "sb-speedup_by_category.png").read_bytes()[:8] == PNG
+    assert "6 prompt(s), 1 per category, 4 new tokens a turn" in " ".join(stdout.split())
+    assert max(len(ln) for ln in stdout.splitlines() if str(lm) not in ln and not ln.startswith("wrote ")) <= 100
+    table, legend = stdout.split("greedy\n", 1)[1].rsplit("\n\nconfig ", 1)  # the legend comes last
+    leaderboard, details = table_blocks(table)
+    assert leaderboard == ["config", "conv", "transl", "summ", "qa", "math", "rag", "tau", "overall"]
+    assert details == ["config", "tok/s", "speedup", "vs best", "tau", "nodes", "draft", "verify", "mismatch"]
+    legend = "config " + legend
+    keys = {re.split(r"\s{2,}|: ", ln, maxsplit=1)[0] for ln in legend.splitlines() if not ln.startswith(" ")}
+    keys |= {k for key in keys for k in key.split(", ")}  # the categories share one entry
+    assert set(leaderboard + details) <= keys  # every column explained
+    for term in ("hf-generate:", "+fast:", "treespec-ar:", "hf-prompt-lookup-K:", "DRAFT/TREE:", "near-tie",
+                 "unexplained", "Overall"):
+        assert term in legend
+    wide = format_table(data, wide=True)
+    assert max(map(len, wide.splitlines())) > max(map(len, table.splitlines()))
+    assert table_blocks(wide)[0][1:7] == cats
+
+
+def test_bench_wide_shows_every_column(capsys, tiny_dataset, lm_dir):
+    rc, stdout, err = run(capsys, "bench", "--model", lm_dir, "--dataset", str(tiny_dataset), "--prompt-field",
+                          "text", "--num-prompts", "1", "--max-new-tokens", "4", "--config", "ngram@chain-2",
+                          "--no-warmup", "--no-hf-lookup", "--wide")
+    assert rc == 0, err
+    assert table_blocks(stdout)[0] == ["config", "tok/s", "med tok/s", "speedup", "med speedup", "vs best", "tau",
+                                       "nodes", "accept by position", "draft", "verify", "mismatch"]
+    assert "med tok/s" in stdout.split("\n\n")[1]  # and the legend explains the wide columns too
 
 
 def test_bench_mismatch_exits_nonzero(capsys, monkeypatch, tiny_dataset, lm_dir):

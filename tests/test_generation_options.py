@@ -84,27 +84,30 @@ def test_greedy_with_options_equals_hf_generate(opts, eos, kind, seed, tree, pro
     model = target(seed)
     if eos is None and ("forced_eos_token_id" in opts or "exponential_decay_length_penalty" in opts):
         eos = 7  # both push towards an EOS, which transformers needs to know
+    try:
+        want = [hf(model, p, max_new, do_sample=False, eos_token_id=eos, **opts) for p in prompts]
+    except ValueError as e:  # contradictory options (a forced EOS that is also suppressed): the same refusal
+        with pytest.raises(ValueError, match=str(e)[:40].replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+            treespec.generate(model, drafter(kind, seed), tree, prompts, max_new_tokens=max_new, eos_token_id=eos,
+                              **opts)
+        return
     out = treespec.generate(model, drafter(kind, seed), tree, prompts, max_new_tokens=max_new, eos_token_id=eos, **opts)
-    for p, got in zip(prompts, out.sequences):
-        assert got == hf(model, p, max_new, do_sample=False, eos_token_id=eos, **opts), (p, opts)
+    assert out.sequences == want, opts
 
 
-@settings(max_examples=6, **SETTINGS)
-@given(opts=options, tree=st.sampled_from(["chain-2", "cpu"]),
-       prompts=st.lists(st.lists(st.integers(0, V - 1), min_size=1, max_size=10), min_size=1, max_size=3))
-def test_greedy_with_options_and_an_eagle3_head(opts, tree, prompts):
-    from test_eagle import E3_LAYERS, eagle3_checkpoint, target as eagle_target, write
-
-    import tempfile
-    from pathlib import Path
+@pytest.mark.parametrize("opts, tree", [
+    (dict(repetition_penalty=1.5, no_repeat_ngram_size=2), "cpu"),
+    (dict(min_new_tokens=6, bad_words_ids=[[5], [9, 10]], sequence_bias={(3,): 4.0}), "chain-2"),
+    (dict(suppress_tokens=[1, 2, 3], begin_suppress_tokens=[4], repetition_penalty=0.7), "eagle1"),
+])
+def test_greedy_with_options_and_an_eagle3_head(tmp_path, opts, tree):
+    from test_eagle import eagle3_checkpoint, target as eagle_target, write
 
     model = eagle_target("eagle3", 0, "llama")
-    with tempfile.TemporaryDirectory() as d:
-        head = treespec.load_draft(write(Path(d), *eagle3_checkpoint(0)), model)
-    out = treespec.generate(model, head, tree, prompts, max_new_tokens=12, **opts)
-    for p, got in zip(prompts, out.sequences):
-        assert got == hf(model, p, 12, do_sample=False, **opts)
-    assert E3_LAYERS  # the head reads three distinct layers of this target
+    head = treespec.load_draft(write(tmp_path, *eagle3_checkpoint(0)), model)
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8], [5]]
+    out = treespec.generate(model, head, tree, prompts, max_new_tokens=12, eos_token_id=11, **opts)
+    assert out.sequences == [hf(model, p, 12, do_sample=False, eos_token_id=11, **opts) for p in prompts]
 
 
 def test_generation_config_is_read_as_hf_reads_it():
@@ -224,3 +227,60 @@ def test_stop_strings_end_a_request_across_token_boundaries_as_hf_does(tmp_path)
         assert streamed == want
     with pytest.raises(ValueError, match="stop_strings needs the tokenizer"):
         treespec.generate(model, "ngram", "cpu", prompt, stop_strings=["x"])
+
+
+# ---- model.generate(custom_generate=...) ------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["ngram", "twin", "hybrid"])
+def test_custom_generate_is_a_drop_in_for_model_generate(kind):
+    """The call a user already has, plus custom_generate: the same tensor back, padded batch
+    included (left padding in, right padding out), with the same options."""
+    model = target(0)
+    ids = torch.tensor([[0, 0, 5, 9, 5, 9, 2], [4, 8, 15, 16, 23, 42, 8]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]])
+    kw = dict(attention_mask=mask, max_new_tokens=10, repetition_penalty=1.3, no_repeat_ngram_size=2,
+              eos_token_id=7, pad_token_id=0, do_sample=False)
+    want = model.generate(ids, **kw)
+    got = model.generate(ids, custom_generate=treespec.custom_generate(drafter(kind, 0), "cpu"), **kw)
+    assert torch.equal(got, want)
+    gc = GenerationConfig(max_new_tokens=6, min_new_tokens=4, eos_token_id=7, pad_token_id=0, suppress_tokens=[3])
+    out = model.generate(ids, attention_mask=mask, generation_config=gc, return_dict_in_generate=True,
+                         custom_generate=treespec.custom_generate(drafter(kind, 0), "chain-3"))
+    assert torch.equal(out.sequences, model.generate(ids, attention_mask=mask, generation_config=gc))
+    with pytest.raises(ValueError, match="output_scores"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, output_scores=True, return_dict_in_generate=True,
+                       custom_generate=treespec.custom_generate("ngram", "cpu"))
+
+
+def test_custom_generate_samples_with_the_seed_torch_was_given():
+    model = target(1)
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    kw = dict(max_new_tokens=12, do_sample=True, temperature=0.9, top_k=20)
+    runs = []
+    for d, tree in (("ngram", "cpu"), (drafter("twin", 1), "chain-3")):
+        torch.manual_seed(11)
+        runs.append(model.generate(ids, custom_generate=treespec.custom_generate(d, tree), **kw))
+    assert torch.equal(runs[0], runs[1]) and runs[0].shape == (1, 17)
+
+
+def test_output_scores_are_the_processed_logits_generate_reports():
+    """Each generated token's processed logits, as generate(output_scores=True) gives them:
+    the greedy token is their argmax, and they equal HF's (fp32, a tiny model)."""
+    model = target(0)
+    prompt = [3, 1, 4, 1, 5, 9]
+    kw = dict(repetition_penalty=1.4, no_repeat_ngram_size=2)
+    out = treespec.generate(model, drafter("twin", 0), "cpu", prompt, max_new_tokens=10, output_scores=True, **kw)
+    ids = torch.tensor([prompt])
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
+                         output_scores=True, return_dict_in_generate=True, **kw)
+    assert out.sequences[0] == ref.sequences[0, len(prompt):].tolist()
+    assert out.scores[0].shape == (10, V)
+    torch.testing.assert_close(out.scores[0], torch.cat(ref.scores), rtol=1e-4, atol=1e-4)
+    assert out.scores[0].argmax(-1).tolist() == out.sequences[0]
+    steps = list(treespec.stream(model, drafter("twin", 0), "cpu", [prompt, prompt[:2]], max_new_tokens=10,
+                                 output_scores=True, **kw))
+    assert all(len(s.scores[i]) == len(s.tokens[i]) for s in steps for i in range(2))
+    assert treespec.generate(model, "ngram", "cpu", prompt, max_new_tokens=3).scores is None
+    with pytest.raises(ValueError, match="output_logits"):
+        treespec.generate(model, "ngram", "cpu", prompt, output_logits=True)

@@ -1,80 +1,22 @@
-"""The package's modules import one another without a cycle, so that its layers can be read
-(and each module tested) bottom-up.
-
-Which imports count: every ``import`` and ``from ... import`` of a treespec module in
-``treespec/**/*.py``, at module level *and* inside functions. A function-level import breaks a
-cycle only for the interpreter: the two modules still need each other, and a reader still has to
-hold both at once. Not counted: imports under ``if TYPE_CHECKING:`` (never executed; they are how
-annotations name a type from a higher layer), and the implicit import of a module's parent
-packages (``import treespec.train.data`` runs ``treespec/train/__init__.py`` first, so counting it
-would make every package ``__init__`` that re-exports its own submodules a cycle).
-"""
+"""The package's modules import one another without a cycle and down its layers, so that they
+can be read (and each module tested) bottom-up. The graph, the layer table and the rule are in
+``tests/layering.py``; docs/architecture.md draws them."""
 
 from __future__ import annotations
 
-import ast
+import re
 from pathlib import Path
 
 import networkx as nx
+import pytest
 
-import treespec
+from layering import EXCEPTIONS, LAYERS, PACKAGE, ROOT, import_graph, place, violations
 
-PACKAGE = Path(treespec.__file__).resolve().parent
-
-
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
+ARCHITECTURE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 
 
-def _type_checking_nodes(tree: ast.AST) -> set[int]:
-    """ids of the import nodes inside ``if TYPE_CHECKING:`` blocks."""
-    out = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If):
-            test = node.test
-            name = test.id if isinstance(test, ast.Name) else test.attr if isinstance(test, ast.Attribute) else None
-            if name == "TYPE_CHECKING":
-                out.update(id(n) for stmt in node.body for n in ast.walk(stmt))
-    return out
-
-
-def import_graph() -> nx.DiGraph:
-    """module -> the treespec modules it imports (edges carry the importing line)."""
-    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
-    graph = nx.DiGraph()
-    graph.add_nodes_from(files)
-    for name, path in files.items():
-        tree = ast.parse(path.read_text(), filename=str(path))
-        skip = _type_checking_nodes(tree)
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in ast.walk(tree):
-            if id(node) in skip:
-                continue
-            targets = []
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package.split(".")
-                    base = base[: len(base) - (node.level - 1)]
-                    mod = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    mod = node.module or ""
-                # ``from pkg import sub`` imports the submodule ``pkg.sub``; ``from mod import f``
-                # imports ``mod``.
-                subs = [f"{mod}.{a.name}" for a in node.names if f"{mod}.{a.name}" in files]
-                targets = subs + ([mod] if len(subs) < len(node.names) else [])
-            for target in targets:
-                if not (target == "treespec" or target.startswith("treespec.")):
-                    continue  # another library
-                while target not in files:  # ``import treespec.a.b`` where b is no module
-                    target = target.rpartition(".")[0]
-                if target != name:
-                    graph.add_edge(name, target, line=node.lineno)
-    return graph
+def _edges(g: nx.DiGraph):
+    return [(a, b, d["line"]) for a, b, d in g.edges(data=True)]
 
 
 def test_graph_sees_the_imports():
@@ -90,3 +32,57 @@ def test_no_import_cycle():
     cycles = sorted(nx.simple_cycles(g), key=len)
     where = [" -> ".join(f"{a} (line {g.edges[a, b]['line']})" for a, b in zip(c, c[1:] + c[:1])) for c in cycles[:5]]
     assert nx.is_directed_acyclic_graph(g), f"{len(cycles)} import cycle(s):\n" + "\n".join(where)
+
+
+def test_every_module_has_one_place():
+    """Each module is in exactly one layer, and every table entry names a module or package."""
+    g = import_graph()
+    for module in g:
+        place(module)  # KeyError names a module the table lacks
+    entries = [e for layer in LAYERS for e in layer.modules]
+    assert len(entries) == len(set(entries)), "an entry is in two layers"
+    present = {m.split(".")[1] if "." in m else ROOT for m in g}
+    assert set(entries) == present, f"entries naming no module: {sorted(set(entries) - present)}"
+
+
+def test_imports_go_down_the_layers():
+    g = import_graph()
+    bad = violations(_edges(g))
+    assert not bad, "imports against the layers (tests/layering.py):\n" + "\n".join(bad)
+    for a, b in EXCEPTIONS:  # an exception that no longer happens is dropped, not kept
+        assert g.has_edge(a, b), f"EXCEPTIONS lists {a} -> {b}, which is no import any more"
+
+
+def test_docs_table_is_the_layers():
+    """docs/architecture.md's table lists each layer's entries as LAYERS does, in order
+    (a package as ``name/``)."""
+    row = re.compile(r"^\| (?P<i>\d+) (?P<name>[^|]+?) \| (?P<entries>[^|]+) \|", re.M)
+    rows = {int(m["i"]): (m["name"], re.findall(r"`([^`]+)`", m["entries"]))
+            for m in row.finditer(ARCHITECTURE.read_text())}
+    expected = {i: (layer.name, [f"{e}/" if (PACKAGE / e / "__init__.py").exists() else e for e in layer.modules])
+                for i, layer in enumerate(LAYERS)}
+    assert rows == expected
+
+
+@pytest.mark.parametrize("edge, message", [
+    (("treespec.tree", "treespec.engine"), "foundations) imports treespec.engine (decoding), a higher layer"),
+    (("treespec.runner", "treespec.drafters.eagle"), "a higher layer"),
+    (("treespec.drafters.base", "treespec.cli.common"), "a higher layer"),
+    (("treespec.tree", "treespec.config"), "listed after it in its own layer (foundations)"),
+    (("treespec.kv_cache", "treespec.runner"), "listed after it in its own layer (execution)"),
+    (("treespec.data", "treespec"), "a higher layer"),  # the root's exception is machine's alone
+])
+def test_the_rule_catches_an_upward_import(edge, message):
+    """The checker, on literal fake edges added to the real ones: each is reported, by name."""
+    bad = violations(_edges(import_graph()) + [(*edge, 1)])
+    assert len(bad) == 1 and bad[0].startswith(f"{edge[0]} (line 1") and message in bad[0], bad
+
+
+@pytest.mark.parametrize("edge", [
+    ("treespec.engine", "treespec.tree"),  # down the layers
+    ("treespec.config", "treespec.tree"),  # earlier in its own layer
+    ("treespec.drafters.hybrid", "treespec.drafters.ngram"),  # within a package
+    ("treespec.cli.tree", "treespec.engine"),
+])
+def test_the_rule_allows_a_downward_import(edge):
+    assert violations([(*edge, 1)]) == []

@@ -65,11 +65,17 @@ _CORPUS = [
 ]
 
 
-def save_tiny_lm(path, seed: int = 0, layers: int = 5):
-    """A tiny random llama with a small byte-level BPE tokenizer (no chat template), saved as
-    a model folder that ``treespec.models.load`` and the CLI's ``--model`` read (5 layers by
-    default, enough for an EAGLE-3 head's three feature layers): end-to-end
-    tests that need text in and text out without a download or the shared/ folder."""
+#: a ChatML template (SmolLM2's shape) for a tiny tokenizer that should have one
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def save_tiny_lm(path, seed: int = 0, layers: int = 5, chat_template: str | None = None, **extra):
+    """A tiny random llama with a small byte-level BPE tokenizer (no chat template unless
+    given), saved as a model folder that ``treespec.models.load`` and the CLI's ``--model``
+    read (5 layers by default, enough for an EAGLE-3 head's three feature layers): end-to-end
+    tests that need text in and text out without a download or the shared/ folder. ``extra``:
+    more config fields (e.g. ``max_position_embeddings``)."""
     from pathlib import Path
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -82,7 +88,9 @@ def save_tiny_lm(path, seed: int = 0, layers: int = 5):
         vocab_size=320, special_tokens=["<s>", "</s>"], show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))  # every byte: any text encodes
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>")
-    model = tiny_model("llama", seed=seed, vocab=len(tok), layers=layers, bos_token_id=tok.bos_token_id)
+    if chat_template is not None:
+        tok.chat_template = chat_template
+    model = tiny_model("llama", seed=seed, vocab=len(tok), layers=layers, bos_token_id=tok.bos_token_id, **extra)
     path = Path(path)
     model.save_pretrained(path)
     tok.save_pretrained(path)

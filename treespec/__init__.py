@@ -28,18 +28,20 @@ _EXPORTS = {
     "load_draft": ".drafters.eagle",
     "AutoProfile": ".auto",
     "TreespecWarning": ".warn",
+    "custom_generate": ".dropin",
 }
 
 __all__ = [
     "Tree", "TreeConfig", "PRESETS", "Preset", "pack_mask", "unpack_mask", "generate", "stream",
     "GenerateOutput", "SpecMetrics", "RequestMetrics", "StepOutput", "SamplingParams", "load_draft",
-    "AutoProfile", "TreespecWarning",
+    "AutoProfile", "custom_generate", "TreespecWarning",
 ]
 
 if TYPE_CHECKING:
     from .auto import AutoProfile
     from .config import PRESETS, Preset, TreeConfig
     from .drafters.eagle import load_draft
+    from .dropin import custom_generate
     from .engine import GenerateOutput, RequestMetrics, SpecMetrics, StepOutput, generate, stream
     from .mask import pack_mask, unpack_mask
     from .sampling import SamplingParams

@@ -4,10 +4,22 @@
     result = run_bench(model, prompts, configs, max_new_tokens=256)
     print(format_table(to_json(result)))
 
+    prompts, _ = load_bench_prompts("spec-bench", tokenizer, num_prompts=10)  # 10 per category
+    result = run_bench(model, prompts, configs, max_new_tokens=256, tokenizer=tokenizer)
+
 Every configuration runs on prompt i before any runs on prompt i+1, so drift in machine
 load (another job, thermal throttling) spreads over all of them alike. Times are wall
 seconds around one ``generate`` call, prompt tokenisation excluded. Under greedy decoding
 every output is checked token for token against ``model.generate``'s.
+
+A multi-turn prompt (:class:`~treespec.prompts.Prompt` with several turns: Spec-Bench's
+MT-bench questions) runs as a conversation in every configuration: turn 1, then turn 2
+templated after *that configuration's own* answer to turn 1, and so on; each turn may
+generate ``max_new_tokens``, and its tokens and seconds are the sum over turns (as Spec-Bench
+counts them). Under greedy decoding every configuration answers turn 1 as HF generate does,
+so turn 2's prompt is the same for all and is compared token for token too; where a
+configuration's answer differs (a bf16 near-tie), the difference is judged at its first
+token, in the turn where it happened, and later turns are not compared.
 
 Figures, per configuration:
     tokens_per_second         total generated tokens / total wall seconds
@@ -16,6 +28,8 @@ Figures, per configuration:
     median_speedup            median over prompts of the per-prompt ratio
     mean_accepted_length      tokens committed per verify forward, bonus included (tau)
     acceptance_rate_by_position[d-1]  share of verify steps that accepted >= d drafts
+    categories[c]             tokens/s, speedup and tau over the prompts of category c
+    overall_speedup           mean of the categories' speedups (Spec-Bench's "Overall")
 
 This module never prints: progress goes to ``callback``, details to ``logging``.
 """
@@ -23,6 +37,7 @@ This module never prints: progress goes to ``callback``, details to ``logging``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import statistics
 import time
@@ -37,6 +52,7 @@ from .divergence import NEAR_TIE_TOLERANCE, Divergence, classify_divergence, fp3
 from .drafters.base import Drafter
 from .engine import generate as ts_generate
 from .machine import machine_info
+from .prompts import Prompt
 from .sampling import SamplingParams
 
 __all__ = ["BenchConfig", "BenchResult", "ConfigResult", "BenchProgress", "run_bench", "format_table", "to_json",
@@ -141,11 +157,17 @@ class BenchProgress:
 
 @dataclass
 class RunRecord:
-    """One configuration on one prompt."""
+    """One configuration on one prompt (every turn of it: tokens concatenated, seconds summed)."""
 
     tokens: list[int]
     seconds: float
     metrics: dict | None = None  # SpecMetrics.summary() plus steps/accepted, treespec only
+    turn_prompts: list[list[int]] = field(default_factory=list)  # what each turn was given
+    turn_lengths: list[int] = field(default_factory=list)  # tokens of each turn's answer
+
+    def turn_tokens(self, t: int) -> list[int]:
+        start = sum(self.turn_lengths[:t])
+        return self.tokens[start:start + self.turn_lengths[t]]
 
     @property
     def tokens_per_second(self) -> float:
@@ -169,7 +191,7 @@ class ConfigResult:
 
 @dataclass
 class BenchResult:
-    prompt_lengths: list[int]
+    prompt_lengths: list[int]  # of each prompt's first turn
     results: list[ConfigResult]
     sampling: SamplingParams
     max_new_tokens: int
@@ -177,6 +199,8 @@ class BenchResult:
     notes: list[str] = field(default_factory=list)
     dtype: str = "float32"
     fast_path: str | None = None
+    categories: list[str | None] = field(default_factory=list)  # each prompt's, where it has one
+    turns: list[int] = field(default_factory=list)  # each prompt's number of user turns
 
     @property
     def baseline(self) -> ConfigResult:
@@ -223,6 +247,44 @@ def _run_one(model, cfg: BenchConfig, prompt: list[int], max_new_tokens: int, sp
                               tokenizer)
 
 
+def _run_prompt(model, cfg: BenchConfig, prompt: Prompt, max_new_tokens: int, sp: SamplingParams, seed: int | None,
+                backend: str, fast_path=None, auto_profile=None, options=None, tokenizer=None) -> RunRecord:
+    """Every turn of ``prompt``, turn t+1 templated after this configuration's own answers to
+    turns 1..t (templating outside the timed calls), as one record."""
+    records, given = [], []
+    for t in range(prompt.num_turns):
+        ids = list(prompt.ids) if t == 0 else prompt.next_turn(tokenizer, [r.tokens for r in records])
+        given.append(ids)
+        records.append(_run_one(model, cfg, ids, max_new_tokens, sp, seed, backend, fast_path, auto_profile,
+                                options, tokenizer))
+    return _merge_turns(records, given)
+
+
+def _merge_turns(records: list[RunRecord], given: list[list[int]]) -> RunRecord:
+    """One record of a conversation's turns: tokens concatenated, seconds and counters summed."""
+    if len(records) == 1:
+        r = records[0]
+        return RunRecord(r.tokens, r.seconds, r.metrics, given, [len(r.tokens)])
+    metrics = None
+    if records[0].metrics is not None:
+        ms = [r.metrics for r in records]
+        metrics = {k: sum(m[k] for m in ms) for k in ("num_steps", "num_generated", "prefill_seconds", "draft_seconds",
+                                                      "verify_seconds", "total_seconds", "num_request_steps",
+                                                      "tree_tokens")}
+        steps = metrics["num_request_steps"]
+        acc = [a for m in ms for a in m["accepted"]]
+        depth = max(len(m["acceptance_counts"]) for m in ms)
+        counts = [sum(m["acceptance_counts"][j] for m in ms if j < len(m["acceptance_counts"])) for j in range(depth)]
+        metrics.update(
+            accepted=acc, acceptance_counts=counts, acceptance_rate_by_position=[c / max(steps, 1) for c in counts],
+            mean_accepted_length=(sum(acc) + len(acc)) / max(len(acc), 1),
+            mean_tree_size=sum(m["mean_tree_size"] * m["num_request_steps"] for m in ms) / max(steps, 1),
+            tokens_per_second=metrics["num_generated"] / metrics["total_seconds"] if metrics["total_seconds"] else 0.0,
+        )
+    return RunRecord([t for r in records for t in r.tokens], sum(r.seconds for r in records), metrics, given,
+                     [len(r.tokens) for r in records])
+
+
 def _run_one_inner(model, cfg: BenchConfig, prompt: list[int], max_new_tokens: int, sp: SamplingParams,
                    seed: int | None, backend: str, auto_profile, options: dict, tokenizer) -> RunRecord:
     if cfg.kind == TREESPEC:
@@ -256,7 +318,7 @@ def _run_one_inner(model, cfg: BenchConfig, prompt: list[int], max_new_tokens: i
 
 def run_bench(
     model,
-    prompts: Sequence[Sequence[int]],
+    prompts: Sequence[Sequence[int] | Prompt],
     configs: Sequence[BenchConfig],
     *,
     max_new_tokens: int = 128,
@@ -278,7 +340,8 @@ def run_bench(
 
     Args:
         model:    the target, a transformers causal LM.
-        prompts:  token ids per prompt.
+        prompts:  token ids per prompt, or :class:`~treespec.prompts.Prompt` values (a
+                  category each; several turns, each after the configuration's own answer).
         configs:  the configurations; an HF generate baseline is put first if missing.
                   Prompt lookup is skipped (with a note) when sampling.
         seed:     prompt i is sampled with seed ``seed + i`` in every configuration.
@@ -297,53 +360,58 @@ def run_bench(
                   calibrations the draft's own or else the prior).
         options:  generation options (GenerationConfig fields: ``repetition_penalty``, ...),
                   given to every configuration alike, HF's baselines included.
-        tokenizer: for ``stop_strings`` among the options (transformers needs it too).
+        tokenizer: for ``stop_strings`` among the options (transformers needs it too), and
+                  to template a multi-turn prompt's later turns.
     """
     sp = SamplingParams(temperature, top_k, top_p, min_p)
     gen = dict(options=dict(options or {}), tokenizer=tokenizer)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    if not prompts:
-        raise ValueError("run_bench needs at least one prompt")
-    results, notes = _results(configs, sp)
-    if gen["options"]:
-        notes.append("generation options, for every configuration: "
-                     + ", ".join(f"{k}={v!r}" for k, v in sorted(gen["options"].items())))
+    prompts = _as_prompts(prompts, tokenizer)
+    callback = callback or (lambda progress: None)
+    results, notes = _results(configs, sp, gen["options"], any(p.num_turns > 1 for p in prompts))
     active = [r for r in results if r.skipped is None]
     profiles = _auto_profiles(model, active, auto_profile)
     dtype = next(model.parameters()).dtype
-    tolerance = near_tie_tolerance if near_tie_tolerance is not None else NEAR_TIE_TOLERANCE.get(dtype, 1.0)
-    reference = None  # the fp32 model that judges greedy differences, made on the first one
+    judge = _Judge(near_tie_tolerance if near_tie_tolerance is not None else NEAR_TIE_TOLERANCE.get(dtype, 1.0))
 
     if warmup:  # first calls run several times slower (allocations, kernel selection)
         for i, r in enumerate(active):
-            _run_one(model, r.config, list(prompts[0][:16]), min(16, max_new_tokens), sp, seed, attention_backend,
+            _run_one(model, r.config, list(prompts[0].ids[:16]), min(16, max_new_tokens), sp, seed, attention_backend,
                      fast_path, profiles.get(r.config.name), **gen)
-            if callback:
-                callback(BenchProgress("warmup", i + 1, len(active), r.config.name))
+            callback(BenchProgress("warmup", i + 1, len(active), r.config.name))
 
     for i, prompt in enumerate(prompts):
         s = None if seed is None else seed + i
         for r in active:
-            if callback:
-                callback(BenchProgress("prompts", i, len(prompts), r.config.name))
-            rec = _run_one(model, r.config, list(prompt), max_new_tokens, sp, s, attention_backend, fast_path,
-                           profiles.get(r.config.name), **gen)
+            callback(BenchProgress("prompts", i, len(prompts), r.config.name))
+            rec = _run_prompt(model, r.config, prompt, max_new_tokens, sp, s, attention_backend, fast_path,
+                              profiles.get(r.config.name), **gen)
             r.runs.append(rec)
             log.info("prompt %d %s: %d tokens, %.1f tokens/s", i, r.config.name, len(rec.tokens), rec.tokens_per_second)
             if sp.greedy and r is not results[0] and rec.tokens != results[0].runs[i].tokens:
-                reference = reference if reference is not None else fp32_reference(model)
-                _judge(r, i, reference, prompt, results[0].runs[i].tokens, rec.tokens, tolerance)
-        if callback:
-            callback(BenchProgress("prompts", i + 1, len(prompts), None))
-    return BenchResult([len(p) for p in prompts], results, sp, max_new_tokens, seed, notes,
+                judge(model, r, i, results[0].runs[i], rec)
+        callback(BenchProgress("prompts", i + 1, len(prompts), None))
+    return BenchResult([len(p.ids) for p in prompts], results, sp, max_new_tokens, seed, notes,
                        dtype=str(dtype).removeprefix("torch."),
-                       fast_path=getattr(fast_path, "description", None) if fast_path is not None else None)
+                       fast_path=getattr(fast_path, "description", None) if fast_path is not None else None,
+                       categories=[p.category for p in prompts], turns=[p.num_turns for p in prompts])
 
 
-def _results(configs: Sequence[BenchConfig], sp: SamplingParams) -> tuple[list[ConfigResult], list[str]]:
+def _as_prompts(prompts, tokenizer) -> list[Prompt]:
+    if not prompts:
+        raise ValueError("run_bench needs at least one prompt")
+    prompts = [p if isinstance(p, Prompt) else Prompt(tuple(p)) for p in prompts]
+    if tokenizer is None and any(p.num_turns > 1 for p in prompts):
+        raise ValueError("multi-turn prompts need tokenizer= (later turns are templated after the answers)")
+    return prompts
+
+
+def _results(configs: Sequence[BenchConfig], sp: SamplingParams, options: dict,
+             multi_turn: bool) -> tuple[list[ConfigResult], list[str]]:
     """One result per configuration, plain HF generate first (the baseline of every ratio),
-    prompt lookup skipped when sampling; and the notes that say what was skipped."""
+    prompt lookup skipped when sampling; and the notes that say what was skipped, the
+    generation options and how multi-turn prompts ran."""
     plain = BenchConfig.hf_generate()
     configs = [plain] + [c for c in configs if c != plain]
     names = [c.name for c in configs]
@@ -358,6 +426,12 @@ def _results(configs: Sequence[BenchConfig], sp: SamplingParams) -> tuple[list[C
                 r.skipped = "prompt lookup is benchmarked greedy only"
                 notes.append(f"{r.config.name} skipped: {r.skipped}")
         notes.append("sampling: outputs are not compared token for token (same distribution, different draws)")
+    if options:
+        notes.append("generation options, for every configuration: "
+                     + ", ".join(f"{k}={v!r}" for k, v in sorted(options.items())))
+    if multi_turn:
+        notes.append("multi-turn prompts: each turn after the configuration's own answers, up to max_new_tokens "
+                     "each; tokens and seconds summed over turns")
     return results, notes
 
 
@@ -373,15 +447,28 @@ def _auto_profiles(model, active: list[ConfigResult], start) -> dict:
             for r in active if r.config.kind == TREESPEC and r.config.tree.auto}
 
 
-def _judge(r: ConfigResult, i: int, reference, prompt, ref: list[int], got: list[int], tolerance: float) -> None:
-    """Record where configuration ``r`` left HF generate's greedy output on prompt ``i``, and
-    whether the fp32 ``reference`` calls it a bf16 near-tie."""
-    d = classify_divergence(reference, prompt, ref, got, tolerance)
-    r.mismatches.append(i)
-    r.first_diff[i] = d.position
-    r.divergences[i] = d
-    log.warning("%s differs from HF generate on prompt %d at token %d: %s (fp32 shortfall %.3g, tolerance %.3g)",
-                r.config.name, i, d.position, "near-tie" if d.near_tie else "UNEXPLAINED", d.fp32_shortfall, tolerance)
+class _Judge:
+    """Records where a configuration left HF generate's greedy output on a prompt, and whether
+    an fp32 copy of the model (made at the first difference) calls it a bf16 near-tie."""
+
+    def __init__(self, tolerance: float):
+        self.tolerance = tolerance
+        self.reference = None
+
+    def __call__(self, model, r: ConfigResult, i: int, ref: RunRecord, got: RunRecord) -> None:
+        # The first turn whose answers differ: earlier answers agree, so both runs were given
+        # the same prompt for it; later turns' prompts differ and are not compared.
+        t = next(t for t in range(len(got.turn_lengths)) if ref.turn_tokens(t) != got.turn_tokens(t))
+        self.reference = self.reference if self.reference is not None else fp32_reference(model)
+        d = classify_divergence(self.reference, got.turn_prompts[t], ref.turn_tokens(t), got.turn_tokens(t),
+                                self.tolerance)
+        d = dataclasses.replace(d, position=sum(got.turn_lengths[:t]) + d.position)  # into the whole output
+        r.mismatches.append(i)
+        r.first_diff[i] = d.position
+        r.divergences[i] = d
+        log.warning("%s differs from HF generate on prompt %d at token %d: %s (fp32 shortfall %.3g, tolerance %.3g)",
+                    r.config.name, i, d.position, "near-tie" if d.near_tie else "UNEXPLAINED", d.fp32_shortfall,
+                    self.tolerance)
 
 
 # ---- figures ----------------------------------------------------------------------------
@@ -434,6 +521,28 @@ def _config_figures(r: ConfigResult, base: ConfigResult) -> dict:
     return d
 
 
+def _category_figures(res: BenchResult, r: ConfigResult) -> dict:
+    """Per category (in the order the prompts bring them): tokens/s and speedup over HF
+    generate (total tokens / total seconds over the category's prompts, as everywhere
+    here), tau; and overall, the mean of the categories' speedups (Spec-Bench's "Overall")."""
+    cats = {}
+    for c in dict.fromkeys(c for c in res.categories if c is not None):
+        idx = [i for i, x in enumerate(res.categories) if x == c]
+        tps = _rate([r.runs[i] for i in idx])
+        btps = _rate([res.baseline.runs[i] for i in idx])
+        acc = [a for i in idx if r.runs[i].metrics is not None for a in r.runs[i].metrics["accepted"]]
+        cats[c] = dict(num_prompts=len(idx), tokens_per_second=tps, speedup=tps / btps if btps > 0 else None,
+                       mean_accepted_length=(sum(acc) + len(acc)) / len(acc) if acc else None)
+    speedups = [v["speedup"] for v in cats.values()]
+    overall = sum(speedups) / len(speedups) if speedups and None not in speedups else None
+    return {"categories": cats, "overall_speedup": overall}
+
+
+def _rate(runs: list[RunRecord]) -> float:
+    seconds = sum(x.seconds for x in runs)
+    return sum(len(x.tokens) for x in runs) / seconds if seconds > 0 else 0.0
+
+
 def _prompt_figures(res: BenchResult) -> list[dict]:
     base = res.baseline
     out = []
@@ -455,17 +564,27 @@ def _prompt_figures(res: BenchResult) -> list[dict]:
                          draft_seconds=x.metrics["draft_seconds"], verify_seconds=x.metrics["verify_seconds"],
                          prefill_seconds=x.metrics["prefill_seconds"])
             per[r.config.name] = e
-        out.append({"index": i, "prompt_tokens": n, "results": per})
+        extra = {"category": res.categories[i]} if res.categories and res.categories[i] is not None else {}
+        if res.turns and res.turns[i] > 1:
+            extra["turns"] = res.turns[i]
+        out.append({"index": i, "prompt_tokens": n, **extra, "results": per})
     return out
 
 
 def to_json(res: BenchResult, **extra) -> dict:
     """Everything as plain JSON types: ``machine``, ``settings``, ``configs``, ``prompts``,
-    ``mismatches`` (treespec prompts differing from HF generate), ``notes``; ``extra``
+    ``mismatches`` (treespec prompts differing from HF generate), ``notes``; where the prompts
+    have categories (Spec-Bench), ``categories`` (their names, in order) and in each config
+    ``categories`` (name -> tokens/s, speedup, tau) and ``overall_speedup``; ``extra``
     keys (e.g. ``command``, ``model``, ``dataset``) are merged at the top level."""
     base = res.baseline
     sp = res.sampling
     configs = [_config_figures(r, base) for r in res.results]
+    categories = list(dict.fromkeys(c for c in res.categories if c is not None))
+    if categories:
+        for c, r in zip(configs, res.results):
+            if not c.get("skipped"):
+                c.update(_category_figures(res, r))
     # The fastest way to decode without speculation that ran here (plain HF generate, HF
     # generate on the fast path, treespec with root-only trees): speculation's own share.
     plain = [c for c, r in zip(configs, res.results) if not r.config.speculates and not c.get("skipped")]
@@ -484,6 +603,7 @@ def to_json(res: BenchResult, **extra) -> dict:
                      "top_p": sp.top_p, "min_p": sp.min_p, "seed": res.seed, "num_prompts": len(res.prompt_lengths),
                      "dtype": res.dtype, "fast_path": res.fast_path},
         "best_baseline": best["name"],
+        **({"categories": categories} if categories else {}),
         "configs": configs,
         "prompts": _prompt_figures(res),
         "mismatches": res.treespec_mismatches,
@@ -492,57 +612,195 @@ def to_json(res: BenchResult, **extra) -> dict:
     }
 
 
-def _fmt(v, spec):
-    return "-" if v is None else format(v, spec)
+def _fmt(v, spec, suffix=""):
+    return "-" if v is None else format(v, spec) + suffix
 
 
-def format_table(data: dict, max_positions: int = 5) -> str:
-    """An aligned plain-text table of ``to_json``'s ``configs``."""
-    head = ["config", "tok/s", "med tok/s", "speedup", "med speedup", f"vs {data.get('best_baseline', '-')}",
-            "tau", "accept by position", "draft", "verify", "mismatch"]
+#: table width the default table and legend keep to (``wide=True`` lifts it)
+TABLE_WIDTH = 100
+_NAME_WIDTH = 24  # config names beyond this are abbreviated in the default table
+#: Spec-Bench's categories as the default table heads them
+_CATEGORY_HEADS = {"conversation": "conv", "translation": "transl", "summarization": "summ", "qa": "qa",
+                   "math_reasoning": "math", "rag": "rag"}
+_CATEGORY_MEANING = {"conversation": "MT-bench's 80, two turns each", "translation": "WMT14 DE-EN",
+                     "summarization": "CNN/DailyMail", "qa": "question answering, Natural Questions",
+                     "math_reasoning": "GSM8K", "rag": "retrieval-augmented generation, DPR"}
+
+
+_TAU = ("mean accepted length: tokens committed per verify forward of the target, its own (bonus) token included; "
+        "treespec only")
+
+
+@dataclass(frozen=True)
+class _Column:
+    head: str
+    cell: Callable[[dict], str]
+    meaning: str
+    wide_only: bool = False
+    left: bool = False
+
+
+def _mismatch_cell(c: dict, greedy: bool, wide: bool) -> str:
+    if not greedy or c["kind"] == HF_GENERATE:
+        return "-"
+    n, bad = c["mismatches"], c.get("unexplained", c["mismatches"])
+    if not n:
+        return "0"
+    if wide:
+        return f"{n}: {c.get('near_ties', 0)} near-tie, {bad} unexplained"
+    return f"{n} ({bad} unexpl.)" if bad else f"{n} near-tie"
+
+
+def _main_columns(data: dict, wide: bool, max_positions: int) -> list[_Column]:
+    """The columns of the main table, each with what it means (the legend's text)."""
+    best = data.get("best_baseline", "-")
     greedy = data["settings"]["temperature"] == 0
-    rows, skipped = [], []
-    for c in data["configs"]:
-        if c.get("skipped"):
-            skipped.append(f"{c['name']} skipped: {c['skipped']}")
-            continue
+
+    def accept(c):
         acc = c.get("acceptance_rate_by_position")
-        split = c.get("time_split")
-        if not greedy or c["kind"] == HF_GENERATE:
-            mm = "-"
-        else:
-            mm = "0"
-            if c["mismatches"]:
-                mm = f"{c['mismatches']}: {c.get('near_ties', 0)} near-tie, {c.get('unexplained', c['mismatches'])} unexplained"
+        return "-" if acc is None else " ".join(f"{a:.2f}" for a in acc[:max_positions]) + (
+            " ..." if len(acc) > max_positions else "")
+
+    def share(key):
+        return lambda c: f"{100 * c['time_split'][key]:.0f}%" if c.get("time_split") else "-"
+
+    return [
+        _Column("tok/s", lambda c: _fmt(c["tokens_per_second"], ".1f"),
+                "generated tokens / wall seconds, all prompts together (tokenisation excluded)"),
+        _Column("med tok/s", lambda c: _fmt(c["median_tokens_per_second"], ".1f"),
+                "median over prompts of a prompt's tokens / seconds", wide_only=True),
+        _Column("speedup", lambda c: _fmt(c["speedup"], ".2f", "x"), f"tok/s over {HF_GENERATE}'s"),
+        _Column("med speedup", lambda c: _fmt(c["median_speedup"], ".2f", "x"),
+                "median over prompts of a prompt's speedup", wide_only=True),
+        _Column("vs best", lambda c: _fmt(c.get("speedup_vs_best_baseline"), ".2f", "x"),
+                f"tok/s over {best}'s, the fastest configuration without speculation here: what speculation "
+                "itself adds"),
+        _Column("tau", lambda c: _fmt(c["mean_accepted_length"], ".2f"), _TAU),
+        _Column("nodes", lambda c: _fmt(c.get("mean_tree_size") if c.get("acceptance_rate_by_position") else None,
+                                        ".1f"),
+                "drafted tree nodes verified per step, mean (auto trees choose their size each step)"),
+        _Column("accept by position", accept, f"share of verify steps that accepted at least d drafted tokens, "
+                f"d = 1, 2, ... (first {max_positions})", wide_only=True, left=True),
+        _Column("draft", share("draft"), "share of treespec's time spent drafting (the head, draft model or prompt "
+                "lookup building each step's tree)"),
+        _Column("verify", share("verify"), "share spent in the target's verify forwards (the rest: prefill and "
+                "committing)"),
+        _Column("mismatch", lambda c: _mismatch_cell(c, greedy, wide),
+                "greedy only: prompts whose output differs from HF generate's, each judged in fp32 at its first "
+                "differing token: a rounding near-tie (bf16 or packed weights can round two logits level) or "
+                "unexplained (a bug; bench exits with status 1); '-' not compared"),
+    ]
+
+
+def _category_columns(data: dict, wide: bool) -> tuple[list[_Column], str, str]:
+    """The leaderboard's columns (speedup per category, mean accepted tokens, overall), and the
+    legend's one entry for the category columns: its key and text."""
+    heads = {cat: cat if wide else _CATEGORY_HEADS.get(cat, cat) for cat in data["categories"]}
+    cols = [_Column(head, lambda c, cat=cat: _fmt(c["categories"][cat]["speedup"], ".2f", "x"), "")
+            for cat, head in heads.items()]
+    cols += [_Column("tau", lambda c: _fmt(c["mean_accepted_length"], ".2f"), _TAU),
+             _Column("overall", lambda c: _fmt(c.get("overall_speedup"), ".2f", "x"),
+                     "mean of the categories' speedups (Spec-Bench's Overall)")]
+    what = [f"{cat} ({_CATEGORY_MEANING.get(cat, 'an MT-bench category, two turns each')})"
+            if head == cat else f"{head}: {cat} ({_CATEGORY_MEANING.get(cat, '')})" for cat, head in heads.items()]
+    return cols, ", ".join(heads.values()), (
+        f"speedup over {HF_GENERATE} per Spec-Bench category (tokens / seconds over its questions): " + "; ".join(what))
+
+
+def _short_names(configs: list[dict], limit: int) -> tuple[dict[str, str], dict[str, str]]:
+    """Names that fit ``limit`` characters: a long draft name becomes ``head`` (an EAGLE head)
+    or ``draft`` (numbered if there are several); and the aliases used, alias -> draft."""
+    aliases: dict[str, str] = {}  # draft -> alias
+    names = {}
+    for c in configs:
         name = c["name"]
-        if str(c.get("tree_config", "")).startswith("auto(") and c.get("mean_tree_size") is not None:
-            name += f" ({c['mean_tree_size']:.1f} nodes)"  # what the cost-aware tree chose on average
-        rows.append([
-            name, _fmt(c["tokens_per_second"], ".1f"), _fmt(c["median_tokens_per_second"], ".1f"),
-            _fmt(c["speedup"], ".2f") + ("x" if c["speedup"] is not None else ""),
-            _fmt(c["median_speedup"], ".2f") + ("x" if c["median_speedup"] is not None else ""),
-            _fmt(c.get("speedup_vs_best_baseline"), ".2f") + ("x" if c.get("speedup_vs_best_baseline") is not None else ""),
-            _fmt(c["mean_accepted_length"], ".2f"),
-            "-" if acc is None else " ".join(f"{a:.2f}" for a in acc[:max_positions])
-            + (" ..." if len(acc) > max_positions else ""),
-            f"{100 * split['draft']:.0f}%" if split else "-",
-            f"{100 * split['verify']:.0f}%" if split else "-",
-            mm,
-        ])
+        if c["kind"] == TREESPEC and len(name) > limit and c.get("draft") and c.get("tree"):
+            base = c["draft"].removesuffix("+lookup")
+            if base not in aliases and len(base) > 12:
+                kind = "head" if "EAGLE" in c.get("drafter", "") else "draft"
+                n = sum(a.rstrip("0123456789") == kind for a in aliases.values())
+                aliases[base] = kind if n == 0 else f"{kind}{n + 1}"
+            name = f"{aliases.get(base, base)}{c['draft'][len(base):]}/{c['tree']}"
+        names[c["name"]] = name if len(name) <= limit else name[: limit - 1] + "~"
+    return names, {a: d for d, a in aliases.items()}
+
+
+def _config_meaning(data: dict, configs: list[dict], aliases: dict[str, str]) -> str:
+    names = {c["name"] for c in configs}
+    kinds = {c["kind"] for c in configs}
+    parts = [f"{HF_GENERATE}: transformers' model.generate, eager weights, the baseline of every speedup"]
+    if any(n.endswith("+fast") for n in names):
+        parts.append(f"+fast: the same on treespec's fast path ({data['settings'].get('fast_path') or 'packed'})")
+    if any(n.endswith("+compile") for n in names):
+        parts.append("+compile: with a static cache and torch.compile")
+    if TREESPEC_AR in names:
+        parts.append(f"{TREESPEC_AR}: treespec without a draft (one token per forward, fast path): its decoding "
+                     "without speculation")
+    if HF_LOOKUP in kinds:
+        parts.append(f"{HF_LOOKUP}-K: transformers' prompt lookup decoding, K tokens")
+    if any(c["kind"] == TREESPEC and c.get("draft") != "none" for c in configs):
+        parts.append("DRAFT/TREE: treespec drafting with DRAFT (+lookup: prompt lookup grafted on) on trees TREE")
+    parts += [f"{a} = {d}" for a, d in aliases.items()]
+    return "; ".join(parts)
+
+
+def _render(head: list[str], rows: list[list[str]], left: set[int]) -> list[str]:
     widths = [max(len(r[j]) for r in [head] + rows) for j in range(len(head))]
-    left = {0, 7}  # names and the position list read left to right; numbers align right
 
     def line(r):
         return "  ".join(f"{v:<{w}}" if j in left else f"{v:>{w}}" for j, (v, w) in enumerate(zip(r, widths))).rstrip()
 
-    lines = [line(head), "-" * (sum(widths) + 2 * (len(widths) - 1))] + [line(r) for r in rows]
-    return "\n".join(lines + skipped)
+    return [line(head), "-" * (sum(widths) + 2 * (len(widths) - 1))] + [line(r) for r in rows]
+
+
+def format_table(data: dict, max_positions: int = 5, *, wide: bool = False, legend: bool = True) -> str:
+    """``to_json``'s ``configs`` as aligned plain text, within :data:`TABLE_WIDTH` columns
+    unless ``wide``; and under it a legend that says what every column means.
+
+    Where the prompts have categories (Spec-Bench), the leaderboard's table comes first: a
+    row per configuration, speedup per category, mean accepted tokens and overall.
+    ``wide`` adds the medians and acceptance by position, and keeps names unabbreviated.
+    """
+    configs = [c for c in data["configs"] if not c.get("skipped")]
+    names, aliases = (({c["name"]: c["name"] for c in configs}, {}) if wide
+                      else _short_names(configs, _NAME_WIDTH))
+    meanings = {"config": _config_meaning(data, configs, aliases)}
+    lines = []
+    tables = [_main_columns(data, wide, max_positions)]
+    if data.get("categories"):
+        cols, key, text = _category_columns(data, wide)
+        tables.insert(0, cols)
+        meanings[key] = text
+    for cols in tables:
+        cols = [col for col in cols if wide or not col.wide_only]
+        rows = [[names[c["name"]]] + [col.cell(c) for col in cols] for c in configs]
+        lines += _render(["config"] + [col.head for col in cols], rows,
+                         {0} | {j + 1 for j, col in enumerate(cols) if col.left}) + [""]
+        for col in cols:
+            if col.meaning:
+                meanings.setdefault(col.head, col.meaning)
+    lines.pop()
+    lines += [f"{c['name']} skipped: {c['skipped']}" for c in data["configs"] if c.get("skipped")]
+    return "\n".join(lines + (["", _legend(meanings)] if legend else []))
+
+
+def _legend(meanings: dict[str, str]) -> str:
+    """``head  meaning`` per column, wrapped to :data:`TABLE_WIDTH`; a long head (the
+    categories' shared entry) as ``head: meaning``."""
+    import textwrap
+
+    w = max(len(h) for h in meanings if len(h) <= 18)
+    return "\n".join(textwrap.fill(text, TABLE_WIDTH, subsequent_indent=" " * (w + 2), break_on_hyphens=False,
+                                   initial_indent=f"{head:<{w}}  " if len(head) <= w else f"{head}: ")
+                     for head, text in meanings.items())
 
 
 def save_plots(data: dict, out_dir, prefix: str = "") -> list[Path]:
-    """Two PNGs from ``to_json``'s output: acceptance rate by draft position per treespec
-    configuration (``{prefix}acceptance_by_position.png``) and tokens/s per configuration as
-    bars (``{prefix}tokens_per_second.png``). Returns the paths written."""
+    """PNGs from ``to_json``'s output: acceptance rate by draft position per treespec
+    configuration (``{prefix}acceptance_by_position.png``), tokens/s per configuration as
+    bars (``{prefix}tokens_per_second.png``) and, where the prompts have categories
+    (Spec-Bench), speedup per category as grouped bars (``{prefix}speedup_by_category.png``).
+    Returns the paths written."""
     from matplotlib.figure import Figure
 
     out_dir = Path(out_dir)
@@ -588,4 +846,40 @@ def save_plots(data: dict, out_dir, prefix: str = "") -> list[Path]:
     fig.set_layout_engine("tight")
     paths.append(out_dir / f"{prefix}tokens_per_second.png")
     fig.savefig(paths[-1], format="png", dpi=100)
+    if data.get("categories"):
+        paths.append(out_dir / f"{prefix}speedup_by_category.png")
+        _category_plot(data, configs, title).savefig(paths[-1], format="png", dpi=100, bbox_inches="tight")
     return paths
+
+
+def _category_plot(data: dict, configs: list[dict], title: str):
+    """Spec-Bench's view: per category (and overall) a group of bars, one per configuration,
+    the speedup over HF generate (a line at 1)."""
+    from matplotlib.figure import Figure
+
+    groups = list(data["categories"]) + ["overall"]
+    shown = [c for c in configs if c["name"] != HF_GENERATE]
+    fig = Figure(figsize=(min(max(7.0, 0.2 * len(groups) * (len(shown) + 1) + 2), 12.0), 4.2))
+    ax = fig.add_subplot()
+    width = 0.8 / max(len(shown), 1)
+    for k, c in enumerate(shown):
+        ys = [c["categories"][g]["speedup"] if g != "overall" else c.get("overall_speedup") for g in groups]
+        xs = [j + (k - (len(shown) - 1) / 2) * width for j in range(len(groups))]
+        bars = ax.bar(xs, [y or 0 for y in ys], width, label=c["name"])
+        if len(shown) <= 4:  # values readable above the bars only when the groups are narrow
+            for b, y in zip(bars, ys):
+                if y is not None:
+                    ax.annotate(f"{y:.2f}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center",
+                                va="bottom", fontsize=6)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--", label=f"{HF_GENERATE} (1x)")
+    ax.set_xticks(range(len(groups)), groups, fontsize=8)
+    top = max([c.get("overall_speedup") or 0 for c in shown]
+              + [v["speedup"] or 0 for c in shown for v in c["categories"].values()] + [1.0])
+    ax.set_ylim(0, 1.15 * top)
+    ax.set_ylabel(f"speedup over {HF_GENERATE}")
+    ax.set_title("speedup by Spec-Bench category (overall: their mean)\n" + title, fontsize=9)
+    ax.legend(fontsize=7, ncol=min(len(shown) + 1, 3), loc="upper center", bbox_to_anchor=(0.5, -0.08),
+              frameon=False)  # below the axes: never over a bar
+    ax.grid(axis="y", alpha=0.3)
+    fig.set_layout_engine("tight")
+    return fig

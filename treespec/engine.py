@@ -150,20 +150,26 @@ class SpecMetrics:
 @dataclass
 class StepOutput:
     """Tokens committed in one step: ``tokens[i]`` for request i (empty if it was idle),
-    ``finished[i]`` once request i has ended. ``metrics`` is the live counter object."""
+    ``finished[i]`` once request i has ended. ``metrics`` is the live counter object.
+    ``scores[i]``: with ``output_scores``, float ``[len(tokens[i]), V]``, the processed logits
+    each of those tokens was chosen from (as ``generate``'s ``output_scores``); else None."""
 
     step: int
     tokens: list[list[int]]
     finished: list[bool]
     metrics: SpecMetrics
+    scores: list[torch.Tensor] | None = None
 
 
 @dataclass
 class GenerateOutput:
-    """``sequences[i]``: request i's generated ids (prompt excluded, EOS kept if produced)."""
+    """``sequences[i]``: request i's generated ids (prompt excluded, EOS kept if produced).
+    ``scores[i]``: with ``output_scores``, float ``[len(sequences[i]), V]``, the processed logits
+    of every generated position; else None."""
 
     sequences: list[list[int]]
     metrics: SpecMetrics
+    scores: list[torch.Tensor] | None = None
 
     def __getitem__(self, i):
         return self.sequences[i]
@@ -360,6 +366,7 @@ def stream(
     generation_config=None,
     logits_processor=None,
     tokenizer=None,
+    output_scores: bool = False,
     allow_past_context: bool = False,
     **options,
 ) -> Iterator[StepOutput]:
@@ -379,7 +386,8 @@ def stream(
     run, max_new = _checked_run(model, draft, tree_cfg, input_ids, max_new_tokens, temperature, top_k, top_p, min_p,
                                 seed, eos_token_id, attention_backend, auto_profile, generation_config,
                                 logits_processor, tokenizer, allow_past_context, options)
-    yield from _loop(*run, max_new=max_new, page_size=page_size, auto_profile=auto_profile)
+    output_scores = output_scores or bool(getattr(generation_config, "output_scores", False))
+    yield from _loop(*run, max_new=max_new, page_size=page_size, auto_profile=auto_profile, output_scores=output_scores)
 
 
 def _checked_run(model, draft, tree_cfg, input_ids, max_new_tokens, temperature, top_k, top_p, min_p, seed,
@@ -536,7 +544,7 @@ class _StepTimer:
 
 def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts: list[list[int]],
           decodings: list[RequestDecoding], eos: set[int], *, max_new: int, page_size: int,
-          auto_profile: AutoProfile | None = None) -> Iterator[StepOutput]:
+          auto_profile: AutoProfile | None = None, output_scores: bool = False) -> Iterator[StepOutput]:
     B = len(prompts)
     metrics = SpecMetrics(requests=[RequestMetrics() for _ in range(B)])
     watch = _AcceptanceWatch(drafter)
@@ -549,14 +557,14 @@ def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts: list[
         # are then read as a view of the cache, not gathered (PagedKVCache.add_sequences).
         cache, seqs = runner.new_rows_cache(B, max(len(p) for p in prompts) + max_new + max_nodes + 1, page_size)
         with timer("prefill"):
-            first, features = _prefill(runner, cache, seqs, prompts, decodings)
+            first, features, scores = _prefill(runner, cache, seqs, prompts, decodings, output_scores)
         def ends(b: int, sequence: list[int]) -> bool:  # EOS, or a stop string completed
             return sequence[-1] in eos or decodings[b].stops(sequence)
 
         sequences = [p + [t] for p, t in zip(prompts, first)]  # what the processors and stop strings read
         generated, done = [[t] for t in first], [ends(b, s) or max_new == 1 for b, s in enumerate(sequences)]
         metrics.record_first_tokens()
-        yield StepOutput(0, [[t] for t in first], list(done), timer.total())
+        yield StepOutput(0, [[t] for t in first], list(done), timer.total(), scores)
         with timer("draft"):
             session = drafter.start(runner.model, DraftStart(
                 prompts=[list(p) for p in prompts], first_tokens=first, features=features,
@@ -575,9 +583,10 @@ def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts: list[
                 trees = _draft(drafter, session, auto, timer, active, roots, depth, room)
             with timer("verify"):
                 out = _tree_forward(runner, cache, [seqs[b] for b in active], trees, prefix)
-                verdicts = _verify(trees, out.logits, [decodings[b] for b in active], [sequences[b] for b in active])
-                tokens, kept = _commit(verdicts, out.features, active, cache, seqs, sequences, generated, done, ends,
-                                       max_new)
+                verdicts, scores = _verify(trees, out.logits, [decodings[b] for b in active],
+                                           [sequences[b] for b in active], output_scores)
+                tokens, kept, scores = _commit(verdicts, out.features, active, cache, seqs, sequences, generated, done,
+                                               ends, max_new, scores)
                 auto.learn(trees, [v.path for v in verdicts])
                 metrics.record_step(active, trees, tokens)
                 watch.record(trees, sum(len(t) - 1 for t in tokens))
@@ -588,15 +597,17 @@ def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts: list[
                         session.finish(b)
                         cache.free_sequence(seqs[b])
             auto.end_step(sum(t.num_nodes for t in trees), timer.since("verify"))
-            yield StepOutput(step, _by_request(tokens, active, B), list(done), timer.total())
+            yield StepOutput(step, _by_request(tokens, active, B), list(done), timer.total(),
+                             _by_request(scores, active, B, idle=lambda: torch.empty(0, runner.vocab_size)))
     timer.total()
 
 
 def _prefill(runner: ModelRunner, cache, seqs: list[int], prompts: list[list[int]],
-             decodings: list[RequestDecoding]) -> tuple[list[int], list[torch.Tensor] | None]:
+             decodings: list[RequestDecoding], keep_scores: bool):
     """Each whole prompt through the target, its K/V committed; returns each request's first
-    token (picked from the prompt's last logits) and the prompt's target features (``[L_b, F]``,
-    None when the drafter reads none)."""
+    token (picked from the prompt's last logits), the prompt's target features (``[L_b, F]``,
+    None when the drafter reads none) and, with ``keep_scores``, the processed logits the first
+    tokens came from (``[1, V]`` each; else None)."""
     out = runner.forward(
         cache, seqs, [torch.tensor(p) for p in prompts], [torch.arange(len(p)) for p in prompts],
         [causal_mask(len(p)) for p in prompts], logits_rows=[[len(p) - 1] for p in prompts],
@@ -604,8 +615,9 @@ def _prefill(runner: ModelRunner, cache, seqs: list[int], prompts: list[list[int
     )
     for s, p in zip(seqs, prompts):
         cache.commit(s, torch.arange(len(p)))
-    first = [int(d.choose(p, logits)[0]) for d, p, logits in zip(decodings, prompts, out.logits)]
-    return first, out.features
+    scores = [d.scores(p, logits) for d, p, logits in zip(decodings, prompts, out.logits)]
+    first = [int(d.pick(x, len(p))[0]) for d, p, x in zip(decodings, prompts, scores)]
+    return first, out.features, ([x.float() for x in scores] if keep_scores else None)
 
 
 def _budgets(active: list[int], prefix: list[int], generated: list[list[int]], cache, seqs: list[int],
@@ -648,13 +660,14 @@ def _tree_forward(runner: ModelRunner, cache, seqs: list[int], trees: list[Tree]
 
 def _commit(verdicts: list[Verdict], features: list[torch.Tensor] | None, active: list[int], cache,
             seqs: list[int], sequences: list[list[int]], generated: list[list[int]], done: list[bool],
-            ends, max_new: int) -> tuple[list[list[int]], list[torch.Tensor] | None]:
+            ends, max_new: int, node_scores: list[torch.Tensor] | None = None):
     """Keep each verdict's tokens up to the budget and the first end (``ends``), commit the K/V of
     the root and accepted nodes they came from, and mark the requests that ended. Returns the
-    tokens per active request and, when ``features`` were captured, each one's features at
-    those nodes (``[len(tokens_i), F]``, for the drafter). ``sequences``: each request's prompt
-    and output so far, extended here."""
-    tokens, kept = [], []
+    tokens per active request; when ``features`` were captured, each one's features at those
+    nodes (``[len(tokens_i), F]``, for the drafter), else None; and with ``node_scores`` (the
+    processed logits at every node), those at the same nodes, else None. ``sequences``: each
+    request's prompt and output so far, extended here."""
+    tokens, kept, scores = [], [], []
     for i, (b, v) in enumerate(zip(active, verdicts)):
         toks = v.tokens[: max_new - len(generated[b])]
         hit = next((j for j in range(len(toks)) if ends(b, sequences[b] + toks[: j + 1])), None)
@@ -668,19 +681,23 @@ def _commit(verdicts: list[Verdict], features: list[torch.Tensor] | None, active
         tokens.append(toks)
         if features is not None:
             kept.append(features[i][path])
-    return tokens, (kept if features is not None else None)
+        if node_scores is not None:
+            scores.append(node_scores[i][path].float())
+    return tokens, (kept if features is not None else None), (scores if node_scores is not None else None)
 
 
-def _by_request(tokens: list[list[int]], active: list[int], batch: int) -> list[list[int]]:
-    """The active requests' tokens spread over the whole batch (an idle request's: [])."""
-    out: list[list[int]] = [[] for _ in range(batch)]
-    for b, t in zip(active, tokens):
+def _by_request(values: list | None, active: list[int], batch: int, idle=list) -> list | None:
+    """The active requests' values spread over the whole batch (an idle request's: ``idle()``)."""
+    if values is None:
+        return None
+    out = [idle() for _ in range(batch)]
+    for b, t in zip(active, values):
         out[b] = t
     return out
 
 
 def _verify(trees: list[Tree], logits: list[torch.Tensor], decodings: Sequence[RequestDecoding],
-            histories: Sequence[list[int]]) -> list[Verdict]:
+            histories: Sequence[list[int]], keep_scores: bool = False):
     """The verification stage: each request's verdict on its tree. The target's choice at each
     node (its argmax, or its sample at that position, after the request's processors with the
     node's own history) decides; a child is accepted exactly when it carries its parent's
@@ -691,12 +708,18 @@ def _verify(trees: list[Tree], logits: list[torch.Tensor], decodings: Sequence[R
         logits:    float ``[n_b, V]`` per request: the target's logits at each node of its tree.
         decodings: each request's processors and seed.
         histories: each request's committed tokens, the tree's root last.
+        keep_scores: also return each request's processed logits at every node (``[n_b, V]``).
+    Returns:
+        the verdicts, and the processed logits (None without ``keep_scores``).
     """
     n = max(t.num_nodes for t in trees)
     choice = torch.zeros(len(trees), n, dtype=torch.int64, device=logits[0].device)
+    kept = []
     for i, (t, l, d, h) in enumerate(zip(trees, logits, decodings, histories)):
-        choice[i, : l.shape[0]] = d.choose(h, l, t)
-    return verify_greedy(trees, choice)
+        scores = d.scores(h, l, t)
+        choice[i, : l.shape[0]] = d.pick(scores, len(h), t)
+        kept.append(scores)
+    return verify_greedy(trees, choice), (kept if keep_scores else None)
 
 
 def generate(
@@ -717,6 +740,7 @@ def generate(
     generation_config=None,
     logits_processor=None,
     tokenizer=None,
+    output_scores: bool = False,
     allow_past_context: bool = False,
     **options,
 ) -> GenerateOutput:
@@ -761,6 +785,10 @@ def generate(
                     every node; each must be a pure function of ``(input_ids, scores)``: it is
                     called once per tree depth on a batch of candidate histories, many of which
                     are never committed.
+        tokenizer:  for ``stop_strings`` (transformers needs it too).
+        output_scores: also return, per request, the processed logits each generated token
+                    was chosen from (``GenerateOutput.scores``, float ``[T, V]``; per step in
+                    :func:`stream`), as ``generate(output_scores=True)`` gives them.
         allow_past_context: a prompt longer than the model's context (``max_position_embeddings``)
                     raises a ValueError, and one whose answer may run past it warns
                     (:class:`~treespec.warn.TreespecWarning`); True generates past it silently
@@ -776,14 +804,18 @@ def generate(
     # long: the docstring is the argument reference of the library's main call; the code is ten lines
     prompts, _ = _prompts(input_ids)
     seqs = [[] for _ in prompts]
+    scores = [[] for _ in prompts]
     metrics = None
     for out in stream(
         model, draft, tree_cfg, input_ids, max_new_tokens=max_new_tokens, temperature=temperature,
         top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, eos_token_id=eos_token_id,
         attention_backend=attention_backend, auto_profile=auto_profile, generation_config=generation_config,
-        logits_processor=logits_processor, tokenizer=tokenizer, allow_past_context=allow_past_context, **options,
+        logits_processor=logits_processor, tokenizer=tokenizer, output_scores=output_scores,
+        allow_past_context=allow_past_context, **options,
     ):
         for s, t in zip(seqs, out.tokens):
             s.extend(t)
+        for s, x in zip(scores, out.scores or []):
+            s.append(x)
         metrics = out.metrics
-    return GenerateOutput(seqs, metrics)
+    return GenerateOutput(seqs, metrics, [torch.cat(x) for x in scores] if any(scores) else None)

@@ -54,6 +54,9 @@ UNSUPPORTED = {
     "forced_bos_token_id": "the first token is the prompt's; a forced BOS applies to encoder-decoder models",
     "assistant_model": "treespec is the assisted generation: pass the draft to treespec.generate",
     "prompt_lookup_num_tokens": "treespec has its own prompt lookup: draft='ngram' or '<head>+lookup'",
+    "output_logits": "treespec returns the processed scores (output_scores=True), not the raw logits",
+    "output_attentions": "the tree forward's attention weights are not kept",
+    "output_hidden_states": "the tree forward's hidden states are not kept (a drafter reads its own features)",
 }
 
 # Options of other engines' APIs (vLLM, OpenAI) that users carry over, with what to use here.
@@ -93,10 +96,11 @@ def exact_generation_config(model, **fields) -> GenerationConfig:
 
 
 def _checked(model, cfg: GenerationConfig) -> GenerationConfig:
+    cfg.validate()  # what generate checks first: contradictory options raise transformers' own error
     defaults = model.generation_config._get_default_generation_params()
     for name, why in UNSUPPORTED.items():
         value = getattr(cfg, name, None)
-        if value is not None and value != defaults.get(name):
+        if value not in (None, False) and value != defaults.get(name):
             raise ValueError(f"{name}={value!r} cannot run under speculation: {why}")
     # Sets the EOS/pad tensors the processors read (min_new_tokens bans EOS, for one).
     model._prepare_special_tokens(cfg, kwargs_has_attention_mask=True, device=next(model.parameters()).device)
@@ -213,13 +217,21 @@ class RequestDecoding:
             history: the committed tokens (the tree's root last).
             logits:  ``[n, V]``, the target's logits at each node.
         """
+        return self.pick(self.scores(history, logits, tree), len(history), tree)
+
+    def scores(self, history: Sequence[int], logits: torch.Tensor, tree: Tree | None = None) -> torch.Tensor:
+        """``[n, V]``: each node's logits after the request's processors (what ``output_scores``
+        reports); the logits themselves, in their own dtype, when there is nothing to apply."""
         if self.greedy and not self.processor:
-            return logits.argmax(-1)  # in the logits' own dtype: widening to fp32 would pick the same
-        scores = self.processor(torch.as_tensor(history, dtype=torch.int64), logits, tree)
+            return logits  # argmax in the logits' own dtype: widening to fp32 would pick the same
+        return self.processor(torch.as_tensor(history, dtype=torch.int64), logits, tree)
+
+    def pick(self, scores: torch.Tensor, position: int, tree: Tree | None = None) -> torch.Tensor:
+        """int64 ``[n]``: the argmax of each row of ``scores``, with the Gumbel noise of its
+        position added when sampling (a node at depth d chooses the token at ``position + d``,
+        whatever tree it is in)."""
         if not self.greedy:
-            # A node at depth d chooses the token at position L + d, whatever tree it is in.
             depth = tree.depth if tree is not None else torch.zeros(1, dtype=torch.int64)
-            D = int(depth.max())
-            noise = gumbel_noise(self.seed, range(len(history), len(history) + D + 1), scores.shape[-1])
+            noise = gumbel_noise(self.seed, range(position, position + int(depth.max()) + 1), scores.shape[-1])
             scores = scores + noise.to(scores.device)[depth.to(scores.device)]
         return scores.argmax(-1)

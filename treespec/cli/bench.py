@@ -53,6 +53,9 @@ def add_arguments(p):
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="one untimed generate per configuration first (default: on)")
     add_runtime(p)
+    p.add_argument("--wide", action="store_true",
+                   help="the whole table: medians over prompts, acceptance by draft position, full configuration "
+                        "and category names (default: fits 100 columns)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--plot-dir", default=None, help="write PNG plots into this folder")
     p.add_argument("--plot-prefix", default=None,
@@ -89,7 +92,7 @@ def bench_pairs(args) -> list[tuple[str, str]]:
 
 
 def run(args):
-    from ..prompts import dataset_file, load_prompts
+    from ..prompts import dataset_file, load_bench_prompts
     from .loading import check, load
 
     pairs = bench_pairs(args)
@@ -101,7 +104,7 @@ def run(args):
 
     from ..bench import BenchConfig, format_table, run_bench, save_plots, to_json
 
-    loaded = load(args, [d for d, _ in pairs], prompts=lambda tok: load_prompts(
+    loaded = load(args, [d for d, _ in pairs], prompts=lambda tok: load_bench_prompts(
         args.dataset, tok, args.num_prompts, prompt_field=args.prompt_field, raw=args.raw))
     prompts, fmt = loaded.prompts
     configs = [BenchConfig.hf_generate()]
@@ -127,12 +130,14 @@ def run(args):
     bars.close()
     data = to_json(res, command="treespec " + shlex.join(portable(a) for a in args.argv), model=args.model,
                    dataset=portable(args.dataset), prompt_format=fmt)
+    counts = {c: sum(p.category == c for p in prompts) for c in data.get("categories", [])}
     report = "\n".join([
-        f"{args.model} on {data['dataset']} ({fmt} prompts): {len(prompts)} prompt(s), {args.max_new_tokens} new tokens, "
-        + ("greedy" if sp.greedy else f"temperature {sp.temperature}")
-        + "; tok/s: total tokens / total seconds, med: median over prompts, tau: mean accepted length",
-        format_table(data),
-        *(f"note: {note}" for note in data["notes"]),
+        _wrap(f"{args.model} on {data['dataset']} ({fmt} prompts): {len(prompts)} prompt(s)"
+              + _per_category(counts) + f", {args.max_new_tokens} new tokens"
+              + (" a turn" if any(p.num_turns > 1 for p in prompts) else "")
+              + ", " + ("greedy" if sp.greedy else f"temperature {sp.temperature}")),
+        format_table(data, wide=args.wide),
+        *(_wrap(f"note: {note}") for note in data["notes"]),
     ]) + "\n"
     sys.stdout.write(report)
     if args.out:
@@ -152,3 +157,20 @@ def run(args):
               + "; ".join(f"{c['name']} on {c['unexplained']} prompt(s)" for c in bad), file=sys.stderr)
         return 1
     return 0
+
+
+def _per_category(counts: dict[str, int]) -> str:
+    if not counts:
+        return ""
+    if len(set(counts.values())) == 1:
+        return f", {next(iter(counts.values()))} per category"
+    return " (" + ", ".join(f"{n} {c}" for c, n in counts.items()) + ")"
+
+
+def _wrap(text: str) -> str:
+    """A line of the report within the table's width (a long path stays whole)."""
+    import textwrap
+
+    from ..bench import TABLE_WIDTH
+
+    return textwrap.fill(text, TABLE_WIDTH, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)

@@ -43,11 +43,14 @@ def add_model(p, help: str = MODEL_HELP):
 
 
 def add_dataset(p):
-    p.add_argument("--dataset", default="gsm8k", help="gsm8k, humaneval or a .jsonl file (default: %(default)s)")
+    p.add_argument("--dataset", default="gsm8k",
+                   help="gsm8k, humaneval, chat, spec-bench (Spec-Bench's six categories; one alone: "
+                        "spec-bench:CATEGORY, e.g. spec-bench:qa) or a .jsonl file (default: %(default)s)")
     p.add_argument("--prompt-field", default=None, help="JSONL field holding the prompt (default: question for "
                    "gsm8k, prompt otherwise)")
     p.add_argument("--raw", action="store_true", help="use the prompts as plain text, without the chat template")
-    p.add_argument("--num-prompts", type=int, default=10, help="the first N prompts of the dataset")
+    p.add_argument("--num-prompts", type=int, default=10,
+                   help="the first N prompts; for spec-bench N per category (default: %(default)s)")
 
 
 def add_sampling(p, seed=None):

@@ -1,0 +1,174 @@
+"""Spec-Bench in treespec: which questions a selection gives, MT-bench's second turn asked
+after the target's own first answer (greedy, still token for token HF generate's), and the
+per-category figures with Spec-Bench's "Overall" (the mean of the categories' speedups).
+A tiny fp32 llama with a ChatML template; a few tokens a turn."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from treespec import models
+from treespec.bench import BenchConfig, format_table, run_bench, to_json
+from treespec.config import TreeConfig
+from treespec.drafters import NgramDrafter
+from treespec.prompts import (MT_BENCH_CATEGORIES, SPEC_BENCH_CATEGORIES, Prompt, dataset_file, load_bench_prompts,
+                              load_prompts, spec_bench_questions)
+
+from tiny import CHATML, save_tiny_lm
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    yield
+
+
+@pytest.fixture(scope="module")
+def chat_lm(tmp_path_factory):
+    """(model, tokenizer): Spec-Bench's long articles (about 2,600 tokens here) fit its positions."""
+    path = save_tiny_lm(tmp_path_factory.mktemp("tiny-chat"), chat_template=CHATML, max_position_embeddings=4096)
+    return models.load(str(path))
+
+
+# ---- which questions ----------------------------------------------------------------------
+
+
+def test_num_prompts_is_per_category_in_the_leaderboards_order():
+    rows = spec_bench_questions("spec-bench", 2)
+    assert [r["category"] for r in rows] == [c for c in SPEC_BENCH_CATEGORIES for _ in range(2)]
+    # conversation takes MT-bench's categories in turn (writing, then roleplay), the others file order
+    assert [r["question_id"] for r in rows] == [81, 91, 161, 162, 241, 242, 321, 322, 401, 402, 481, 482]
+    assert len(spec_bench_questions()) == 480 and len(spec_bench_questions(num_prompts=10)) == 60
+    first8 = spec_bench_questions("spec-bench:conversation", 8)
+    assert [r["mt_bench_category"] for r in first8] == list(MT_BENCH_CATEGORIES)  # one of each
+    assert len(spec_bench_questions("spec-bench:conversation")) == 80
+
+
+def test_one_category_alone():
+    assert [r["question_id"] for r in spec_bench_questions("spec-bench:qa", 2)] == [321, 322]
+    writing = spec_bench_questions("spec-bench:writing", 3)
+    assert [r["question_id"] for r in writing] == [81, 82, 83]
+    assert {r["category"] for r in writing} == {"writing"}  # reported under its own name when chosen alone
+    assert len(spec_bench_questions("spec-bench:rag")) == 80
+    for bad in ("spec-bench:nope", "spec-bench:"):
+        with pytest.raises(ValueError, match="unknown Spec-Bench category"):
+            dataset_file(bad)  # the command line's check before the model loads
+    with pytest.raises(ValueError, match="num_prompts"):
+        spec_bench_questions(num_prompts=0)
+
+
+def test_prompts_are_chat_templated_user_turns(chat_lm, caplog):
+    _, tok = chat_lm
+    prompts, fmt = load_bench_prompts("spec-bench", tok, 1)
+    assert fmt == "chat" and [p.category for p in prompts] == list(SPEC_BENCH_CATEGORIES)
+    conv, translation = prompts[0], prompts[1]
+    rows = spec_bench_questions("spec-bench", 1)
+    assert tok.decode(list(conv.ids)) == f"<|im_start|>user\n{rows[0]['turns'][0]}<|im_end|>\n<|im_start|>assistant\n"
+    assert conv.num_turns == 2 and conv.turns == tuple(rows[0]["turns"])
+    assert translation.num_turns == 1 and translation.turns == ()
+    assert load_prompts("spec-bench", tok, 1)[0] == [list(p.ids) for p in prompts]  # first turns for other commands
+    with pytest.raises(ValueError, match="prompt-field"):
+        load_bench_prompts("spec-bench", tok, 1, prompt_field="question")
+    plain = type(tok).from_pretrained(tok.name_or_path)
+    plain.chat_template = None
+    with caplog.at_level(logging.WARNING, logger="treespec.prompts"):
+        raw, fmt = load_bench_prompts("spec-bench:writing", plain, 1)
+    assert fmt == "raw" and "no chat template" in caplog.text
+    assert raw[0].chat is False and tok.decode(list(raw[0].ids), skip_special_tokens=True) == rows[0]["turns"][0]
+
+
+def test_the_second_turn_follows_the_answer(chat_lm):
+    _, tok = chat_lm
+    p = Prompt(tuple(tok("x")["input_ids"]), "conversation", ("Tell a story.", "Now shorter."))
+    answer = tok("Lily saw a dog.", add_special_tokens=False)["input_ids"]
+    assert tok.decode(p.next_turn(tok, [answer])) == (
+        "<|im_start|>user\nTell a story.<|im_end|>\n<|im_start|>assistant\nLily saw a dog.<|im_end|>\n"
+        "<|im_start|>user\nNow shorter.<|im_end|>\n<|im_start|>assistant\n")
+    raw = Prompt((), None, ("Tell a story.", "Now shorter."), chat=False)
+    assert tok.decode(raw.next_turn(tok, [answer]), skip_special_tokens=True) == \
+        "Tell a story.\n\nLily saw a dog.\n\nNow shorter."
+    with pytest.raises(ValueError, match="no turn after"):
+        p.next_turn(tok, [answer, answer])
+
+
+# ---- running both turns -------------------------------------------------------------------
+
+
+def _configs():
+    return [BenchConfig.hf_lookup(3), BenchConfig.treespec(NgramDrafter(), TreeConfig.chain(3), "ngram", "chain-3")]
+
+
+def test_two_turns_each_after_the_own_answer_and_greedy_exact(chat_lm):
+    model, tok = chat_lm
+    prompts, _ = load_bench_prompts("spec-bench:conversation", tok, 2)
+    res = run_bench(model, prompts, _configs(), max_new_tokens=6, tokenizer=tok, warmup=False)
+    assert res.treespec_mismatches == 0 and all(not r.mismatches for r in res.results)
+    for i, p in enumerate(prompts):
+        base = res.baseline.runs[i]
+        assert len(base.turn_lengths) == 2 and len(base.tokens) == sum(base.turn_lengths) == 12  # both turns count
+        first = tok.decode(base.turn_tokens(0), skip_special_tokens=True).strip()
+        assert first and tok.decode(base.turn_prompts[1]) == (
+            f"<|im_start|>user\n{p.turns[0]}<|im_end|>\n<|im_start|>assistant\n{first}<|im_end|>\n"
+            f"<|im_start|>user\n{p.turns[1]}<|im_end|>\n<|im_start|>assistant\n")
+        # turn 2 is HF generate's greedy answer to that conversation, and every configuration's too
+        ids = torch.tensor([base.turn_prompts[1]])
+        hf = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
+        assert base.turn_tokens(1) == hf[0, ids.shape[1]:].tolist()
+        for r in res.results[1:]:
+            assert r.runs[i].turn_prompts == base.turn_prompts and r.runs[i].tokens == base.tokens
+    spec = res.results[-1].runs[0].metrics
+    assert spec["num_generated"] == 12 and len(spec["accepted"]) == spec["num_request_steps"]
+
+
+def test_a_second_turn_difference_is_judged_in_that_turn(chat_lm, monkeypatch):
+    """A wrong token in turn 2 only: found at its place in the whole output, and judged
+    (unexplained) against the fp32 model given turn 2's own prompt."""
+    import treespec.bench as bench
+
+    model, tok = chat_lm
+    real, calls = bench.ts_generate, []
+
+    def wrong_in_turn_two(*a, **kw):
+        out = real(*a, **kw)
+        calls.append(len(a[3]))
+        if len(calls) % 2 == 0:
+            out.sequences[0][-1] = (out.sequences[0][-1] + 1) % len(tok)
+        return out
+
+    monkeypatch.setattr(bench, "ts_generate", wrong_in_turn_two)
+    prompts, _ = load_bench_prompts("spec-bench:conversation", tok, 1)
+    res = run_bench(model, prompts, _configs()[1:], max_new_tokens=5, tokenizer=tok, warmup=False)
+    r = res.results[-1]
+    assert r.mismatches == [0] and r.unexplained == [0]
+    assert r.first_diff[0] == 5 + 4  # turn 1's five tokens, then turn 2's last
+    assert calls[1] > calls[0]  # turn 2 was given the longer conversation
+
+
+# ---- figures --------------------------------------------------------------------------------
+
+
+def test_per_category_figures_and_overall_is_their_mean(chat_lm):
+    model, tok = chat_lm
+    prompts, _ = load_bench_prompts("spec-bench", tok, 1)
+    res = run_bench(model, prompts, _configs(), max_new_tokens=4, tokenizer=tok, warmup=False)
+    data = to_json(res)
+    assert data["categories"] == list(SPEC_BENCH_CATEGORIES)
+    assert [(p["category"], p.get("turns", 1)) for p in data["prompts"]] == [
+        ("conversation", 2)] + [(c, 1) for c in SPEC_BENCH_CATEGORIES[1:]]
+    for c in data["configs"]:
+        cats = c["categories"]
+        assert list(cats) == list(SPEC_BENCH_CATEGORIES) and all(v["num_prompts"] == 1 for v in cats.values())
+        assert c["overall_speedup"] == pytest.approx(sum(v["speedup"] for v in cats.values()) / 6)
+        qa = data["prompts"][3]["results"][c["name"]]
+        assert cats["qa"]["tokens_per_second"] == pytest.approx(qa["tokens_per_second"])
+        assert cats["qa"]["speedup"] == pytest.approx(qa["speedup"])
+    base, lookup, spec = data["configs"]
+    assert all(v["speedup"] == pytest.approx(1.0) for v in base["categories"].values())
+    assert lookup["categories"]["rag"]["mean_accepted_length"] is None  # HF's lookup reports none
+    assert all(v["mean_accepted_length"] >= 1.0 for v in spec["categories"].values())
+    table = format_table(data, legend=False).splitlines()
+    assert table[0].split() == ["config", "conv", "transl", "summ", "qa", "math", "rag", "tau", "overall"]
+    assert table[4].split()[-1] == f"{spec['overall_speedup']:.2f}x"  # the leaderboard's row
+    assert format_table(data, wide=True, legend=False).splitlines()[0].split()[1:7] == list(SPEC_BENCH_CATEGORIES)

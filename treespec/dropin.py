@@ -1,0 +1,93 @@
+"""treespec inside ``model.generate``: transformers' entry for custom decoding methods.
+
+    out = model.generate(input_ids, attention_mask=mask, max_new_tokens=128, repetition_penalty=1.1,
+                         custom_generate=treespec.custom_generate(draft, "auto"))
+
+transformers resolves the GenerationConfig, builds the logits processors and stopping
+criteria for the (left-padded) batch, then hands them to the callable given as
+``custom_generate`` in place of its own decoding loop. This module's callable decodes with
+tree speculation and returns what ``generate`` returns: the padded batch with the new
+tokens appended, right-padded with ``pad_token_id`` where a row ended early.
+
+Exact, as ``generate`` is: each row is decoded as its prompt alone, with transformers' own
+processors built from the same GenerationConfig, at every tree node with the node's own
+history; greedy rows equal plain ``generate``'s, sampled rows follow its distribution
+(treespec's Gumbel-max sampling: ``torch.manual_seed`` before the call fixes them, whatever
+the tree or drafter). Where plain ``generate`` lets the left padding count (``min_length``
+counts it as length, ``no_repeat_ngram_size`` sees n-grams of pad tokens), a padded row here
+follows its prompt alone.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import torch
+from transformers.generation.stopping_criteria import StopStringCriteria
+
+from .engine import _checked_run, _loop, _seeds
+from .processing import NodeProcessor, RequestDecoding
+
+__all__ = ["custom_generate"]
+
+# What plain generate can return that treespec does not compute: refused, not ignored.
+_NOT_RETURNED = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+
+
+def custom_generate(draft, tree_cfg="auto", *, attention_backend: str = "auto", auto_profile=None) -> Callable:
+    """A decoding method for ``model.generate(..., custom_generate=...)`` that speculates with
+    ``draft`` (a treespec Drafter, ``"ngram"`` or ``"none"``) over ``tree_cfg`` trees."""
+
+    def decode(model, input_ids: torch.Tensor, logits_processor, stopping_criteria, generation_config,
+               synced_gpus: bool = False, streamer=None, **model_kwargs):
+        gc = generation_config
+        for name in _NOT_RETURNED:
+            if getattr(gc, name, False):
+                raise ValueError(f"{name}=True: treespec's decoding returns sequences only")
+        mask = model_kwargs.get("attention_mask")
+        mask = torch.ones_like(input_ids) if mask is None else mask
+        pads = [int(n) for n in (mask == 0).sum(-1)]
+        rows = input_ids.tolist()
+        if any(m != [0] * p + [1] * (len(m) - p) for m, p in zip(mask.tolist(), pads)):
+            raise ValueError("custom_generate needs left padding (padding_side='left'), as decoder-only generate does")
+        prompts = [r[p:] for r, p in zip(rows, pads)]
+        width = input_ids.shape[1]
+        max_new = gc.max_new_tokens if gc.max_new_tokens is not None else gc.max_length - width
+        stop = next((c for c in stopping_criteria if isinstance(c, StopStringCriteria)), None)
+        run, max_new = _checked_run(model, draft, tree_cfg, prompts, max_new, 0.0, None, None, None, None,
+                                    gc.eos_token_id, attention_backend, auto_profile, None, None, None, False, {})
+        runner, drafter, cfg, prompts, _, eos = run
+        seeds = _seeds(None, len(prompts)) if gc.do_sample else [None] * len(prompts)
+        # The processors transformers built hold this batch's shape (a repetition penalty keeps
+        # each row's padding length): build each row's own from the same config instead, with
+        # the user's processors (those not transformers' own) after them.
+        user = [p for p in logits_processor if not type(p).__module__.startswith("transformers.")]
+        decodings = []
+        for p, s in zip(prompts, seeds):
+            row_cfg = copy.copy(gc)
+            row_cfg.max_length = len(p) + max_new
+            decodings.append(RequestDecoding(NodeProcessor.build(model, row_cfg, len(p), user), s, stop))
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        new = [[] for _ in prompts]
+        for out in _loop(runner, drafter, cfg, prompts, decodings, eos, max_new=max_new, page_size=16,
+                         auto_profile=auto_profile):
+            for n, t in zip(new, out.tokens):
+                n.extend(t)
+            if streamer is not None and out.tokens[0]:
+                streamer.put(torch.tensor(out.tokens[0]))
+        if streamer is not None:
+            streamer.end()
+        pad = gc._pad_token_tensor
+        pad = int(pad) if pad is not None else 0
+        longest = max(map(len, new))
+        tail = torch.tensor([n + [pad] * (longest - len(n)) for n in new], dtype=input_ids.dtype)
+        sequences = torch.cat([input_ids, tail.to(input_ids.device)], dim=1)
+        if gc.return_dict_in_generate:
+            from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+            return GenerateDecoderOnlyOutput(sequences=sequences)
+        return sequences
+
+    return decode
