@@ -40,7 +40,8 @@ class Layer:
 
 # Bottom to top.
 LAYERS: tuple[Layer, ...] = (
-    Layer("foundations", ("tree", "config", "builder", "verify", "processing", "sampling", "mask", "data", "assets"),
+    Layer("foundations", ("warn", "tree", "config", "builder", "verify", "processing", "sampling", "mask", "data",
+                          "assets"),
           "values and pure functions on them, and the files that ship; no model runs here"),
     Layer("execution", ("models", "packing", "threads", "kv_cache", "attention", "runner"),
           "loading a model and running its forward over trees on the paged KV cache"),
