@@ -683,7 +683,10 @@ def test_tune_writes_a_profile_and_pictures_and_bench_reads_it(capsys, monkeypat
     auto = configs["ngram/auto"]
     assert auto["tree_config"].startswith("auto(") and auto["mismatches"] == 0
     assert 0 <= auto["mean_tree_size"] <= 32 and configs["ngram/chain-2"]["mean_tree_size"] <= 2
-    assert "ngram/auto (" in out and " nodes)" in out
+    header = next(ln for ln in out.splitlines() if "tok/s" in ln and "nodes" in ln)
+    row = next(ln for ln in out.splitlines() if ln.startswith("ngram/auto"))
+    at = header.index("nodes")
+    assert row[at - 2: at + 5].strip() not in ("", "-")  # the table shows the mean nodes auto chose
 
     rc = cli.main(["generate", "--model", lm_dir, "--draft", "ngram", "--tree", "auto", "--prompt", "Tom and",
                    "--max-new-tokens", "6", "--auto-profile", str(prof), "--no-pack"])
