@@ -60,7 +60,7 @@ def _load_named(spec: ModelSpec, dtype: torch.dtype, progress: ProgressFn | None
         _convert(spec, folder, progress)
     try:
         return from_transformers(folder, dtype)
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, ModelUnavailableError) as err:  # a half-written copy lacks its tokenizer too
         raise ModelUnavailableError(
             f"The converted copy of {spec.name} in {folder} cannot be read ({err}); delete that folder "
             "and it is converted again on the next load"
