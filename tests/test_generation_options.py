@@ -284,3 +284,28 @@ def test_output_scores_are_the_processed_logits_generate_reports():
     assert treespec.generate(model, "ngram", "cpu", prompt, max_new_tokens=3).scores is None
     with pytest.raises(ValueError, match="output_logits"):
         treespec.generate(model, "ngram", "cpu", prompt, output_logits=True)
+
+
+def test_a_near_tie_is_judged_on_the_processed_scores():
+    """bench's judge of a bf16 difference (treespec.divergence) must rank tokens as greedy did:
+    after the options' processors. A case where the raw logits call it a bug and the processed
+    scores a tie."""
+    from transformers.generation.logits_process import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+
+    from treespec.divergence import classify_divergence
+
+    model = target(0)
+    for prompt in ([a, b, c] for a in range(V) for b in range(8) for c in range(4)):
+        with torch.no_grad():
+            raw = model(torch.tensor([prompt])).logits[0, -1].float()
+        top = raw.topk(2)
+        first, second = int(top.indices[0]), int(top.indices[1])
+        if first in prompt and second not in prompt and float(top.values[1]) > 0 and float(top.values[0] - top.values[1]) > 0.5:
+            break
+    # The penalty that brings `first` just below `second`: a tie after processing.
+    penalty = float(raw[first] / raw[second]) * (1 + 1e-6)
+    proc = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(penalty)])
+    raw_judged = classify_divergence(model, prompt, [second], [first], 1e-2)
+    processed = classify_divergence(model, prompt, [second], [first], 1e-2, proc)
+    assert not raw_judged.near_tie and raw_judged.fp32_shortfall > 0.5
+    assert processed.near_tie and processed.fp32_shortfall < 1e-3

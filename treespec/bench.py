@@ -373,7 +373,8 @@ def run_bench(
     active = [r for r in results if r.skipped is None]
     profiles = _auto_profiles(model, active, auto_profile)
     dtype = next(model.parameters()).dtype
-    judge = _Judge(near_tie_tolerance if near_tie_tolerance is not None else NEAR_TIE_TOLERANCE.get(dtype, 1.0))
+    judge = _Judge(near_tie_tolerance if near_tie_tolerance is not None else NEAR_TIE_TOLERANCE.get(dtype, 1.0),
+                   gen["options"])
 
     if warmup:  # first calls run several times slower (allocations, kernel selection)
         for i, r in enumerate(active):
@@ -451,8 +452,9 @@ class _Judge:
     """Records where a configuration left HF generate's greedy output on a prompt, and whether
     an fp32 copy of the model (made at the first difference) calls it a bf16 near-tie."""
 
-    def __init__(self, tolerance: float):
+    def __init__(self, tolerance: float, options: dict | None = None):
         self.tolerance = tolerance
+        self.options = options or {}
         self.reference = None
 
     def __call__(self, model, r: ConfigResult, i: int, ref: RunRecord, got: RunRecord) -> None:
@@ -461,7 +463,7 @@ class _Judge:
         t = next(t for t in range(len(got.turn_lengths)) if ref.turn_tokens(t) != got.turn_tokens(t))
         self.reference = self.reference if self.reference is not None else fp32_reference(model)
         d = classify_divergence(self.reference, got.turn_prompts[t], ref.turn_tokens(t), got.turn_tokens(t),
-                                self.tolerance)
+                                self.tolerance, self._processor(model, len(got.turn_prompts[t])))
         d = dataclasses.replace(d, position=sum(got.turn_lengths[:t]) + d.position)  # into the whole output
         r.mismatches.append(i)
         r.first_diff[i] = d.position
@@ -469,6 +471,17 @@ class _Judge:
         log.warning("%s differs from HF generate on prompt %d at token %d: %s (fp32 shortfall %.3g, tolerance %.3g)",
                     r.config.name, i, d.position, "near-tie" if d.near_tie else "UNEXPLAINED", d.fp32_shortfall,
                     self.tolerance)
+
+    def _processor(self, model, prompt_len: int):
+        """The options' processors for a prompt of ``prompt_len`` tokens (None without options):
+        a near-tie is judged on the scores greedy chose from."""
+        opts = {k: v for k, v in self.options.items() if k != "stop_strings"}  # stops end a run; they rank nothing
+        if not opts:
+            return None
+        from .processing import NodeProcessor, exact_generation_config
+
+        cfg = exact_generation_config(model, eos_token_id=model.generation_config.eos_token_id, **opts)
+        return NodeProcessor.build(model, cfg, prompt_len).processors
 
 
 # ---- figures ----------------------------------------------------------------------------

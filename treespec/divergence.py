@@ -85,6 +85,7 @@ def classify_divergence(
     reference: Sequence[int],
     tokens: Sequence[int],
     tolerance: float,
+    processor=None,
 ) -> Divergence | None:
     """Judge the first difference between two greedy continuations of ``prompt``.
 
@@ -94,6 +95,10 @@ def classify_divergence(
         prompt:     int token ids ``[L]``.
         reference, tokens: the two generated continuations.
         tolerance:  the near-tie bound in logits (:data:`NEAR_TIE_TOLERANCE`).
+        processor:  the generation options' processors (``(input_ids [1, L], scores [1, V])
+                    -> scores``, a transformers ``LogitsProcessorList``), when the runs applied
+                    some: the tie is then judged on the processed fp32 scores, which is what
+                    greedy chose from.
     Returns None when the outputs are equal. When one output merely stops earlier (EOS
     or budget), the stopping side's choice is unknown and the divergence counts as
     unexplained (``token = -1``).
@@ -106,6 +111,8 @@ def classify_divergence(
                           tokens[i] if i < len(tokens) else -1, float("inf"), tolerance)
     ids = torch.tensor([list(prompt) + list(reference[:i])], device=next(model_fp32.parameters()).device)
     logits = model_fp32(input_ids=ids, attention_mask=torch.ones_like(ids), logits_to_keep=1).logits[0, -1].float()
+    if processor is not None:
+        logits = processor(ids, logits[None])[0]
     a, b = int(reference[i]), int(tokens[i])
     shortfall = float(logits.max() - torch.minimum(logits[a], logits[b]))
     return Divergence(i, a, b, shortfall, tolerance)

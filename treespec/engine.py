@@ -558,11 +558,12 @@ def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts: list[
         cache, seqs = runner.new_rows_cache(B, max(len(p) for p in prompts) + max_new + max_nodes + 1, page_size)
         with timer("prefill"):
             first, features, scores = _prefill(runner, cache, seqs, prompts, decodings, output_scores)
-        def ends(b: int, sequence: list[int]) -> bool:  # EOS, or a stop string completed
-            return sequence[-1] in eos or decodings[b].stops(sequence)
+        def ends(b: int, history: list[int], new: list[int]) -> int | None:
+            return _first_end(decodings[b], eos, history, new)
 
+        generated = [[t] for t in first]
+        done = [ends(b, p, [t]) is not None or max_new == 1 for b, (p, t) in enumerate(zip(prompts, first))]
         sequences = [p + [t] for p, t in zip(prompts, first)]  # what the processors and stop strings read
-        generated, done = [[t] for t in first], [ends(b, s) or max_new == 1 for b, s in enumerate(sequences)]
         metrics.record_first_tokens()
         yield StepOutput(0, [[t] for t in first], list(done), timer.total(), scores)
         with timer("draft"):
@@ -661,7 +662,8 @@ def _tree_forward(runner: ModelRunner, cache, seqs: list[int], trees: list[Tree]
 def _commit(verdicts: list[Verdict], features: list[torch.Tensor] | None, active: list[int], cache,
             seqs: list[int], sequences: list[list[int]], generated: list[list[int]], done: list[bool],
             ends, max_new: int, node_scores: list[torch.Tensor] | None = None):
-    """Keep each verdict's tokens up to the budget and the first end (``ends``), commit the K/V of
+    """Keep each verdict's tokens up to the budget and the first end (``ends(b, history, new)``:
+    the index of the first ending token, or None), commit the K/V of
     the root and accepted nodes they came from, and mark the requests that ended. Returns the
     tokens per active request; when ``features`` were captured, each one's features at those
     nodes (``[len(tokens_i), F]``, for the drafter), else None; and with ``node_scores`` (the
@@ -670,7 +672,7 @@ def _commit(verdicts: list[Verdict], features: list[torch.Tensor] | None, active
     tokens, kept, scores = [], [], []
     for i, (b, v) in enumerate(zip(active, verdicts)):
         toks = v.tokens[: max_new - len(generated[b])]
-        hit = next((j for j in range(len(toks)) if ends(b, sequences[b] + toks[: j + 1])), None)
+        hit = ends(b, sequences[b], toks)
         if hit is not None:
             toks = toks[: hit + 1]
         path = torch.tensor(v.path[: len(toks)])  # the root and the accepted nodes whose KV is kept
@@ -684,6 +686,15 @@ def _commit(verdicts: list[Verdict], features: list[torch.Tensor] | None, active
         if node_scores is not None:
             scores.append(node_scores[i][path].float())
     return tokens, (kept if features is not None else None), (scores if node_scores is not None else None)
+
+
+def _first_end(decoding: RequestDecoding, eos: set[int], history: list[int], new: list[int]) -> int | None:
+    """Index in ``new`` (tokens after ``history``) of the first that ends the request: an EOS, or
+    the token that completes a stop string (the sequence is built only when there are some)."""
+    for j, t in enumerate(new):
+        if t in eos or (decoding.stop is not None and decoding.stops(history + new[: j + 1])):
+            return j
+    return None
 
 
 def _by_request(values: list | None, active: list[int], batch: int, idle=list) -> list | None:
