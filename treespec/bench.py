@@ -373,8 +373,7 @@ def run_bench(
     active = [r for r in results if r.skipped is None]
     profiles = _auto_profiles(model, active, auto_profile)
     dtype = next(model.parameters()).dtype
-    judge = _Judge(near_tie_tolerance if near_tie_tolerance is not None else NEAR_TIE_TOLERANCE.get(dtype, 1.0),
-                   gen["options"])
+    judge = _Judge(NEAR_TIE_TOLERANCE.get(dtype, 1.0) if near_tie_tolerance is None else near_tie_tolerance, gen)
 
     if warmup:  # first calls run several times slower (allocations, kernel selection)
         for i, r in enumerate(active):
@@ -452,9 +451,9 @@ class _Judge:
     """Records where a configuration left HF generate's greedy output on a prompt, and whether
     an fp32 copy of the model (made at the first difference) calls it a bf16 near-tie."""
 
-    def __init__(self, tolerance: float, options: dict | None = None):
+    def __init__(self, tolerance: float, gen: dict):
         self.tolerance = tolerance
-        self.options = options or {}
+        self.options = gen["options"]  # the generation options every configuration ran with
         self.reference = None
 
     def __call__(self, model, r: ConfigResult, i: int, ref: RunRecord, got: RunRecord) -> None:
