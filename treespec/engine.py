@@ -725,12 +725,13 @@ def _verify(trees: list[Tree], logits: list[torch.Tensor], decodings: Sequence[R
     """
     n = max(t.num_nodes for t in trees)
     choice = torch.zeros(len(trees), n, dtype=torch.int64, device=logits[0].device)
-    kept = []
+    kept = [] if keep_scores else None
     for i, (t, l, d, h) in enumerate(zip(trees, logits, decodings, histories)):
         scores = d.scores(h, l, t)
         choice[i, : l.shape[0]] = d.pick(scores, len(h), t)
-        kept.append(scores)
-    return verify_greedy(trees, choice), (kept if keep_scores else None)
+        if kept is not None:
+            kept.append(scores)
+    return verify_greedy(trees, choice), kept
 
 
 def generate(
