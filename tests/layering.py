@@ -40,7 +40,7 @@ class Layer:
 
 # Bottom to top.
 LAYERS: tuple[Layer, ...] = (
-    Layer("foundations", ("warn", "tree", "config", "builder", "verify", "processing", "sampling", "mask", "data",
+    Layer("foundations", ("warn", "tree", "config", "builder", "verify", "processing", "constraints", "sampling", "mask", "data",
                           "assets"),
           "values and pure functions on them, and the files that ship; no model runs here"),
     Layer("execution", ("models", "packing", "threads", "kv_cache", "attention", "runner"),

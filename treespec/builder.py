@@ -23,7 +23,8 @@ import torch
 from .config import TreeConfig
 from .tree import Tree
 
-__all__ = ["Frontier", "DraftStep", "StopRule", "build_dynamic_trees", "build_static_trees", "build_trees"]
+__all__ = ["Frontier", "DraftStep", "StopRule", "Constrain", "build_dynamic_trees", "build_static_trees",
+           "build_trees"]
 
 
 @dataclass
@@ -53,6 +54,20 @@ DraftStep = Callable[[Frontier], "tuple[torch.Tensor, Any]"]
 # candidate's score so far [B, P]) -> True ends expansion (treespec.auto's early stop).
 StopRule = Callable[[int, torch.Tensor, torch.Tensor], bool]
 
+# Applied to the draft's log-probabilities before each top-k: (depth, the frontier's paths,
+# int64 [B, k, depth] in the drafter's ids, root excluded; log-probs [B, k, V]) -> log-probs with
+# what each node's request forbids after its path at -inf (treespec.constraints). At the root,
+# depth 0, paths [B, 1, 0] and log-probs [B, 1, V].
+Constrain = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _constrained_root(constrain: Constrain | None, root_logprobs: torch.Tensor) -> torch.Tensor:
+    if constrain is None:
+        return root_logprobs
+    B = root_logprobs.shape[0]
+    empty = torch.empty(B, 1, 0, dtype=torch.int64, device=root_logprobs.device)
+    return constrain(0, empty, root_logprobs[:, None])[:, 0]
+
 
 def _gather_state(state, index: torch.Tensor):
     """Pick ``state[b, index[b, j]]`` for a tensor state ``[B, k_prev, ...]``."""
@@ -78,6 +93,7 @@ def build_dynamic_trees(
     config: TreeConfig,
     root_state=None,
     stop: StopRule | None = None,
+    constrain: Constrain | None = None,
 ) -> list[Tree]:
     """EAGLE-2 dynamic trees for a batch.
 
@@ -89,6 +105,7 @@ def build_dynamic_trees(
         root_state:    per-request state ``[B, 1, ...]`` handed to depth-1 nodes.
         stop:          called after each level but the last (see :data:`StopRule`); True
                        ends expansion, and the trees keep ``min(num_nodes, pool so far)``.
+        constrain:     masks what the requests forbid before each top-k, or None.
     Returns:
         B trees with ``num_nodes`` drafted nodes each (fewer after an early stop), tokens and cumulative scores; nodes in
         pool order, so parents precede children.
@@ -101,7 +118,8 @@ def build_dynamic_trees(
     eye = torch.eye(k, dtype=torch.bool, device=device).expand(B, k, k)
     arange_b = torch.arange(B, device=device)[:, None]
 
-    score, token = root_logprobs.float().topk(k, dim=-1)  # [B, k]
+    score, token = _constrained_root(constrain, root_logprobs.float()).topk(k, dim=-1)  # [B, k]
+    path = token[:, :, None]  # [B, k, depth]: the frontier's paths (with constrain)
     pool_scores, pool_tokens = [score], [token]
     pool_parents = [torch.full((B, k), -1, dtype=torch.int64, device=device)]  # -1 = root
     front_pool = torch.arange(k, device=device).expand(B, k)  # pool index of frontier nodes
@@ -113,6 +131,8 @@ def build_dynamic_trees(
             break
         logp, out_state = step(Frontier(token, depth, anc, state))
         _check_vocab(logp, k)
+        if constrain is not None:
+            logp = constrain(depth, path, logp.float())
         lp, tok = logp.float().topk(k, dim=-1)  # [B, k, k]
         cu = (score[:, :, None] + lp).flatten(1)  # [B, k*k], cumulative log-prob
         pool_scores.append(cu)
@@ -124,6 +144,8 @@ def build_dynamic_trees(
         front_pool = offset + sel
         state = _gather_state(out_state, parent_slot)
         anc = torch.cat([anc[arange_b, parent_slot], eye], dim=-1)
+        if constrain is not None:
+            path = torch.cat([path[arange_b, parent_slot], token[:, :, None]], dim=-1)
         offset += k * k
 
     return _best_of_pool(torch.cat(pool_scores, 1), torch.cat(pool_tokens, 1), torch.cat(pool_parents, 1),
@@ -175,8 +197,10 @@ def build_static_trees(
     step: DraftStep,
     shape: Tree,
     root_state=None,
+    constrain: Constrain | None = None,
 ) -> list[Tree]:
-    """Fill a fixed shape: a node's rank-r child carries its r-th most probable token.
+    """Fill a fixed shape: a node's rank-r child carries its r-th most probable token
+    (its r-th most probable allowed token with ``constrain``).
 
     ``shape`` must be numbered level by level (as :meth:`Tree.from_paths` does) so that the
     processed nodes of each step form a prefix of the node order.
@@ -195,7 +219,7 @@ def build_static_trees(
     tokens = torch.zeros(B, n, dtype=torch.int64, device=device)
     scores = torch.zeros(B, n, device=device)
     tokens[:, 0] = torch.as_tensor(root_tokens, device=device).reshape(-1)
-    logp_of = {0: root_logprobs.float()}  # level -> [B, w, V] (root: [B, V])
+    logp_of = {0: _constrained_root(constrain, root_logprobs.float())}  # level -> [B, w, V] (root: [B, V])
     level_nodes = {0: torch.tensor([0], device=device)}
     state_of_level = None
     for d in range(1, shape.max_depth + 1):
@@ -221,6 +245,9 @@ def build_static_trees(
         processed = int(nodes.max())  # nodes 1..processed, level-major
         anc = full_anc[nodes][:, 1 : processed + 1].expand(B, -1, -1)
         logp_of[d], state_of_level = step(Frontier(tokens[:, nodes], d, anc, parent_state))
+        if constrain is not None:  # each node's path: its ancestors, level by level, root dropped
+            path_idx = torch.nonzero(full_anc[nodes][:, 1:])[:, 1].view(nodes.numel(), d) + 1
+            logp_of[d] = constrain(d, tokens[:, path_idx], logp_of[d].float())
 
     return [
         Tree(shape.parents, tokens[b].cpu(), scores[b].cpu()) for b in range(B)
@@ -237,8 +264,8 @@ def _child_ranks(shape: Tree) -> list[int]:
 
 
 def build_trees(root_tokens, root_logprobs, step: DraftStep, config: TreeConfig, root_state=None,
-                stop: StopRule | None = None) -> list[Tree]:
+                stop: StopRule | None = None, constrain: Constrain | None = None) -> list[Tree]:
     """Dispatch on ``config.kind``; ``stop`` applies to dynamic trees (a static shape is fixed)."""
     if config.kind == "dynamic":
-        return build_dynamic_trees(root_tokens, root_logprobs, step, config, root_state, stop)
-    return build_static_trees(root_tokens, root_logprobs, step, config.static_tree(), root_state)
+        return build_dynamic_trees(root_tokens, root_logprobs, step, config, root_state, stop, constrain)
+    return build_static_trees(root_tokens, root_logprobs, step, config.static_tree(), root_state, constrain)

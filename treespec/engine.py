@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import numbers
 import operator
@@ -31,6 +32,7 @@ from .config import TreeConfig
 from .drafters.base import DraftStart, Drafter
 from .mask import causal_mask
 from .runner import ModelRunner
+from .constraints import DraftRules
 from .processing import NodeProcessor, RequestDecoding, exact_generation_config, resolve_generation_config
 from .sampling import SamplingParams
 from .tree import Tree
@@ -558,18 +560,17 @@ def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts: list[
         cache, seqs = runner.new_rows_cache(B, max(len(p) for p in prompts) + max_new + max_nodes + 1, page_size)
         with timer("prefill"):
             first, features, scores = _prefill(runner, cache, seqs, prompts, decodings, output_scores)
-        def ends(b: int, history: list[int], new: list[int]) -> int | None:
-            return _first_end(decodings[b], eos, history, new)
-
+        ends = functools.partial(_first_end, decodings, eos)  # (b, history, new) -> index of the first end
         generated = [[t] for t in first]
         done = [ends(b, p, [t]) is not None or max_new == 1 for b, (p, t) in enumerate(zip(prompts, first))]
         sequences = [p + [t] for p, t in zip(prompts, first)]  # what the processors and stop strings read
+        rules = [DraftRules.from_processors(d.processor.processors, s) for d, s in zip(decodings, sequences)]
         metrics.record_first_tokens()
         yield StepOutput(0, [[t] for t in first], list(done), timer.total(), scores)
         with timer("draft"):
             session = drafter.start(runner.model, DraftStart(
                 prompts=[list(p) for p in prompts], first_tokens=first, features=features,
-                max_new_tokens=max_new, tree_cfg=cfg, stop=auto.stop, candidates=auto.candidates))
+                max_new_tokens=max_new, tree_cfg=cfg, stop=auto.stop, candidates=auto.candidates, rules=rules))
             for b in range(B):
                 if done[b]:
                     session.finish(b)
@@ -581,7 +582,7 @@ def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts: list[
             roots, prefix = [generated[b][-1] for b in active], [cache.seq_lens[seqs[b]] for b in active]
             depth, room = _budgets(active, prefix, generated, cache, seqs, max_new, runner.max_positions, max_nodes)
             with timer("draft"):
-                trees = _draft(drafter, session, auto, timer, active, roots, depth, room)
+                trees = _draft(drafter, session, auto, timer, active, roots, depth, room, [rules[b] for b in active])
             with timer("verify"):
                 out = _tree_forward(runner, cache, [seqs[b] for b in active], trees, prefix)
                 verdicts, scores = _verify(trees, out.logits, [decodings[b] for b in active],
@@ -637,11 +638,13 @@ def _budgets(active: list[int], prefix: list[int], generated: list[list[int]], c
 
 
 def _draft(drafter: Drafter, session, auto, timer: _StepTimer, active: list[int], roots: list[int],
-           max_depth: list[int], max_nodes: list[int]) -> list[Tree]:
-    """This step's trees: proposed, cut to each request's budget, then sized (``auto``)."""
+           max_depth: list[int], max_nodes: list[int], rules: list[DraftRules | None]) -> list[Tree]:
+    """This step's trees: proposed, rid of nodes the options forbid (``rules``), cut to each
+    request's budget, then sized (``auto``)."""
     auto.begin_step()
     trees = session.propose(active, roots, max_depth)
     propose_seconds = timer.since("draft")
+    trees = [t if r is None else r.prune(t) for t, r in zip(trees, rules)]
     trees = [t.prune(max_depth=d, max_nodes=n) for t, d, n in zip(trees, max_depth, max_nodes)]
     trees = auto.choose(trees, propose_seconds)
     for t, root in zip(trees, roots):
@@ -688,9 +691,11 @@ def _commit(verdicts: list[Verdict], features: list[torch.Tensor] | None, active
     return tokens, (kept if features is not None else None), (scores if node_scores is not None else None)
 
 
-def _first_end(decoding: RequestDecoding, eos: set[int], history: list[int], new: list[int]) -> int | None:
-    """Index in ``new`` (tokens after ``history``) of the first that ends the request: an EOS, or
+def _first_end(decodings: Sequence[RequestDecoding], eos: set[int], b: int, history: list[int],
+               new: list[int]) -> int | None:
+    """Index in ``new`` (tokens after ``history``) of the first that ends request ``b``: an EOS, or
     the token that completes a stop string (the sequence is built only when there are some)."""
+    decoding = decodings[b]
     for j, t in enumerate(new):
         if t in eos or (decoding.stop is not None and decoding.stops(history + new[: j + 1])):
             return j

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch
 
 from ..config import TreeConfig
+from ..constraints import DraftRules, draft_constrain
 from ..tree import Tree
 
 if TYPE_CHECKING:
@@ -47,6 +48,10 @@ class DraftStart:
         candidates:   with ``auto`` trees, where a drafter that adds nodes beside the
                       builder's (one tree per request, ``Tree.source`` set) announces them
                       before drafting, so that the early stop weighs them; or None.
+        rules:        per request, what its generation options forbid after a path
+                      (:class:`treespec.constraints.DraftRules`, None: nothing), for the
+                      builder to mask before each top-k; or None. The engine prunes what a
+                      drafter proposes against the same rules, so using them is optional.
     """
 
     prompts: list[list[int]]
@@ -56,6 +61,13 @@ class DraftStart:
     tree_cfg: TreeConfig
     stop: Callable[[int, torch.Tensor, torch.Tensor], bool] | None = None
     candidates: Callable[[Sequence[Tree]], None] | None = None
+    rules: Sequence[DraftRules | None] | None = None
+
+    def constrain_for(self, requests: Sequence[int], to_target: Callable | None = None,
+                      to_draft: torch.Tensor | None = None):
+        """The builder's ``constrain`` for a batch of ``requests`` (None: nothing to mask)."""
+        return draft_constrain(None if self.rules is None else [self.rules[r] for r in requests], to_target,
+                               to_draft)
 
 
 class DraftSession(ABC):

@@ -444,6 +444,12 @@ class EagleSession(DraftSession):
         self.backend = get_backend(drafter.attention_backend, self.device)
         self.cfg = ctx.tree_cfg
         self.stop = ctx.stop
+        self.ctx = ctx
+        self.to_draft = None  # target id -> draft id (-1: none), for a head with its own vocabulary
+        if c.eagle3 and ctx.rules is not None:
+            ids = torch.arange(c.draft_vocab_size, device=head.d2t.device)
+            self.to_draft = torch.full((c.vocab_size,), -1, dtype=torch.int64)
+            self.to_draft[head.draft_to_target(ids).cpu()] = ids.cpu()
         room = ctx.tree_cfg.depth * ctx.tree_cfg.top_k + ctx.tree_cfg.num_nodes + 2
         longest = max(len(pr) for pr in ctx.prompts) + ctx.max_new_tokens + room
         self.cache, self.seq = PagedKVCache.with_rows(1, c.num_kv_heads, c.head_dim, len(ctx.prompts), longest,
@@ -517,8 +523,10 @@ class EagleSession(DraftSession):
         root_logp = torch.stack([self.root_logp[r] for r in requests])
         root_state = torch.stack([self.root_state[r] for r in requests])  # [B, 1, H]
         # The builder works in draft ids; roots are target ids and are restored below.
+        constrain = self.ctx.constrain_for(requests, lambda ids: head.draft_to_target(ids.to(self.device)).cpu(),
+                                           self.to_draft)
         trees = build_trees(torch.zeros(len(requests), dtype=torch.int64), root_logp, step, self.cfg, root_state,
-                            stop=self.stop)
+                            stop=self.stop, constrain=constrain)
         for s, b in zip(seqs, base):
             self.cache.truncate(s, b)
         out = []

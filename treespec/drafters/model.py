@@ -62,6 +62,7 @@ class ModelDraftSession(DraftSession):
         self.runner = ModelRunner(drafter.model, drafter.attention_backend)
         self.cfg = ctx.tree_cfg
         self.stop = ctx.stop
+        self.ctx = ctx
         room = ctx.tree_cfg.depth * ctx.tree_cfg.top_k + ctx.tree_cfg.num_nodes + 2
         longest = max(len(p) for p in ctx.prompts) + ctx.max_new_tokens + room
         self.cache, self.seq = self.runner.new_rows_cache(len(ctx.prompts), longest, drafter.page_size)
@@ -107,7 +108,8 @@ class ModelDraftSession(DraftSession):
                 return torch.stack(out.logits).float().log_softmax(-1), None  # [B, k, V]
 
             trees = build_trees(
-                torch.as_tensor(list(roots)), root_logits.float().log_softmax(-1), step, self.cfg, stop=self.stop
+                torch.as_tensor(list(roots)), root_logits.float().log_softmax(-1), step, self.cfg, stop=self.stop,
+                constrain=self.ctx.constrain_for(requests),
             )
             for s, b in zip(seqs, base):
                 self.cache.truncate(s, b)  # drop the tree levels
