@@ -1,0 +1,89 @@
+"""Mean accepted length (tau) with generation options, drafts that honour the hard constraints
+against drafts that do not, the shipped head with prompt lookup on fixed trees.
+
+Feeds docs/generation.md, "What the options cost". Greedy, bf16; the prompts: GSM8K test
+questions and Spec-Bench conversation first turns. tau depends only on the tokens, not on
+timing (the trees are fixed, not ``auto``), so a busy machine does not change it. "drafts
+blind" turns treespec.constraints off (no mask in the builder, no pruning): the drafts of
+before this change.
+
+    python benchmarks/micro/tau_options.py --num-prompts 10 --out benchmarks/results/tau-options.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+if "treespec" not in sys.modules and not any("treespec" in p for p in sys.path[1:]):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout's treespec
+
+import torch  # noqa: E402
+
+import treespec  # noqa: E402
+from treespec.constraints import DraftRules  # noqa: E402
+from treespec.drafters import HybridDrafter  # noqa: E402
+from treespec.models import load  # noqa: E402
+from treespec.prompts import load_prompts  # noqa: E402
+
+OPTIONS = {
+    "none": {},
+    "repetition_penalty=1.1": dict(repetition_penalty=1.1),
+    "no_repeat_ngram_size=4": dict(no_repeat_ngram_size=4),
+    "both": dict(repetition_penalty=1.1, no_repeat_ngram_size=4),
+}
+
+
+def tau(model, draft, tree, prompts, max_new, options) -> tuple[float, list[list[int]]]:
+    accepted = steps = 0
+    outputs = []
+    for prompt in prompts:
+        out = treespec.generate(model, draft, tree, prompt, max_new_tokens=max_new, **options)
+        accepted += out.metrics.num_generated - 1  # the first token comes from the prefill
+        steps += out.metrics.num_steps
+        outputs.append(out.sequences[0])
+    return accepted / max(steps, 1), outputs
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--num-prompts", type=int, default=10)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--trees", default="cpu,chain-3")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    model, tok = load("smollm2-135m-instruct", dtype=torch.bfloat16)
+    draft = HybridDrafter(treespec.load_draft("smollm2-135m-instruct-eagle", model))
+    sets = {name: load_prompts(name, tok, args.num_prompts)[0] for name in ("gsm8k", "spec-bench:conversation")}
+    res = {"treespec": treespec.__file__, "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
+           "draft": "smollm2-135m-instruct-eagle+lookup", "dtype": "bfloat16", "tau": {}}
+    honour = DraftRules.__dict__["from_processors"]  # the classmethod itself, to put back
+    for dataset, prompts in sets.items():
+        for tree in args.trees.split(","):
+            for name, options in OPTIONS.items():
+                for mode in (("honour", "blind") if options else ("honour",)):
+                    DraftRules.from_processors = honour if mode == "honour" else staticmethod(lambda *a, **k: None)
+                    try:
+                        t, outs = tau(model, draft, tree, prompts, args.max_new_tokens, options)
+                    finally:
+                        DraftRules.from_processors = honour
+                    key = f"{dataset} {tree} {name} drafts {mode}"
+                    res["tau"][key] = round(t, 3)
+                    res.setdefault("outputs", {})[key] = outs
+                    print(f"{key}: tau {t:.3f}", flush=True)
+            for name in OPTIONS:  # the drafts change the speed, never the tokens
+                if OPTIONS[name]:
+                    same = res["outputs"][f"{dataset} {tree} {name} drafts honour"] == \
+                        res["outputs"][f"{dataset} {tree} {name} drafts blind"]
+                    res.setdefault("same_tokens", {})[f"{dataset} {tree} {name}"] = same
+    res.pop("outputs")
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
