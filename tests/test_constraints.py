@@ -187,3 +187,20 @@ def test_no_verified_tree_holds_a_forbidden_node(monkeypatch, tmp_path, kind, tr
         assert checked[0] > 0 and pruned and not any(pruned)
     else:  # prompt lookup copies seen bigrams, exactly what no_repeat_ngram_size=2 bans: pruned
         assert any(pruned)
+
+
+def test_the_repetition_penalty_reaches_the_drafts_log_probs(model):
+    history = [5, 6, 7, 5]
+    rules = DraftRules.from_processors(processors(model, dict(repetition_penalty=1.5), 1), history)
+    assert rules is not None and not rules.bans and rules.penalty == 1.5
+    torch.manual_seed(1)
+    logp = torch.randn(1, 2, V).log_softmax(-1)
+    paths = torch.tensor([[[9], [3]]])
+    got = draft_constrain([rules])(1, paths, logp)
+    for j, path in enumerate([[9], [3]]):
+        seen = torch.zeros(V, dtype=torch.bool)
+        seen[history + path] = True
+        want = torch.where(seen, logp[0, j] * 1.5, logp[0, j]).log_softmax(-1)
+        torch.testing.assert_close(got[0, j], want)
+    tree = Tree([-1, 0], [7, 5])
+    assert rules.prune(tree) is tree  # a penalty bans nothing

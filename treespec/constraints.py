@@ -13,10 +13,16 @@ a given path, which tokens its children may not carry. Two places use it:
 * the engine prunes every drafted node that carries one, with its subtree, before verifying,
   whatever drafter made the tree (prompt lookup's grafts included).
 
-Exactness does not depend on any of this (verification decides); it only keeps nodes that cannot
-be accepted out of the tree. Soft options (a repetition penalty, a finite sequence bias) and a
-user's own processors are not read: they change which token wins without forbidding any, and
-their cost in acceptance stays (docs/generation.md, "What the options cost").
+A repetition penalty forbids nothing but moves the target's choice away from tokens already
+seen, which drafts trained on plain answers keep proposing; builders apply it to the draft's
+log-probabilities as well (``logp * penalty`` for each token of the node's sequence, the rule
+transformers applies to a negative logit), an approximation of the target's processed
+distribution that the measurement in docs/generation.md justifies.
+
+Exactness does not depend on any of this (verification decides); it only steers drafts towards
+tokens that can be accepted. Other soft options (a finite sequence bias, a length penalty) and
+a user's own processors are not read: their cost in acceptance stays (docs/generation.md,
+"What the options cost").
 """
 
 from __future__ import annotations
@@ -49,6 +55,8 @@ class DraftRules:
         eos_below: EOS is banned while the sequence is shorter than this.
         begin:     ``(length, tokens)``: tokens banned when the sequence has exactly that length
                    (``begin_suppress_tokens``), or None.
+        penalty:   ``repetition_penalty`` (1.0: none), for the builders' log-probabilities.
+        penalty_from: the first position the penalty counts (``prompt_ignore_length``).
     """
 
     sequence: list[int]
@@ -58,6 +66,10 @@ class DraftRules:
     eos: frozenset[int] = frozenset()
     eos_below: int = 0
     begin: tuple[int, frozenset[int]] | None = None
+    penalty: float = 1.0
+    penalty_from: int = 0
+    _seen: set[int] = field(default_factory=set, repr=False)  # tokens of sequence[penalty_from:]
+    _seen_ids: torch.Tensor | None = field(default=None, repr=False)
     _index: dict[tuple[int, ...], set[int]] = field(default_factory=dict, repr=False)  # (n-1)-gram -> next tokens
     _indexed: int = field(default=0, repr=False)  # tokens of ``sequence`` in _index
 
@@ -73,9 +85,12 @@ class DraftRules:
             except (AttributeError, TypeError) as e:  # another transformers version's internals
                 log.debug("draft rules skip %s: %s", type(p).__name__, e)
         rules.always, rules.eos = frozenset(always), frozenset(eos)
-        if not (rules.ngram or rules.always or rules.words or rules.eos_below or rules.begin):
-            return None
-        return rules
+        return rules if rules.bans or rules.penalty != 1.0 else None
+
+    @property
+    def bans(self) -> bool:
+        """Whether anything is ever banned (else only the penalty applies)."""
+        return bool(self.ngram or self.always or self.words or self.eos_below or self.begin)
 
     def _read(self, p, always: set, eos: set) -> None:
         if isinstance(p, hf.NoRepeatNGramLogitsProcessor):
@@ -100,6 +115,9 @@ class DraftRules:
             always.update(torch.as_tensor(p.suppress_tokens).flatten().tolist())
         elif isinstance(p, hf.SuppressTokensAtBeginLogitsProcessor):
             self.begin = (int(p.begin_index), frozenset(torch.as_tensor(p.begin_suppress_tokens).flatten().tolist()))
+        elif isinstance(p, hf.RepetitionPenaltyLogitsProcessor):
+            if p.prompt_ignore_length is None or isinstance(p.prompt_ignore_length, int):
+                self.penalty, self.penalty_from = float(p.penalty), int(p.prompt_ignore_length or 0)
         # forced_eos_token_id acts at the last position, which the engine never drafts.
 
     def _sync(self) -> None:
@@ -108,7 +126,16 @@ class DraftRules:
         if n:
             for i in range(max(self._indexed - n + 1, 0), len(s) - n + 1):
                 self._index.setdefault(tuple(s[i : i + n - 1]), set()).add(s[i + n - 1])
+        if self.penalty != 1.0:
+            self._seen.update(s[max(self._indexed, self.penalty_from):])
         self._indexed = len(s)
+
+    def seen_ids(self) -> torch.Tensor:
+        """int64: the tokens the repetition penalty applies to after ``sequence``."""
+        self._sync()
+        if self._seen_ids is None or self._seen_ids.numel() != len(self._seen):
+            self._seen_ids = torch.tensor(sorted(self._seen), dtype=torch.int64)
+        return self._seen_ids
 
     def banned(self, path: Sequence[int], with_always: bool = True) -> set[int]:
         """The tokens the target cannot choose after ``sequence + path`` (``path``: a node's
@@ -142,6 +169,8 @@ class DraftRules:
     def prune(self, tree: Tree) -> Tree:
         """``tree`` without the drafted nodes whose token is banned after their parent's path
         (and without their subtrees); ``tree`` itself when none is."""
+        if not self.bans:
+            return tree
         parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
         paths: list[list[int] | None] = [[]]
         banned: dict[int, set[int]] = {}
@@ -159,7 +188,8 @@ class DraftRules:
 
 def mask_banned(rules: Sequence[DraftRules | None], paths: torch.Tensor, logp: torch.Tensor,
                 to_draft: torch.Tensor | None = None) -> torch.Tensor:
-    """``logp`` with each node's banned next tokens at -inf, each row renormalised.
+    """``logp`` with each node's banned next tokens at -inf and the repetition penalty applied
+    to the tokens of its sequence, each row renormalised.
 
     Args:
         rules:    per batch row (None: nothing banned).
@@ -169,10 +199,11 @@ def mask_banned(rules: Sequence[DraftRules | None], paths: torch.Tensor, logp: t
                   (a head with a smaller vocabulary); None: the ids are the same.
     """
     B, k, V = logp.shape
+    logp = _penalised(rules, paths, logp, to_draft)
     rows, cols = [], []
     path_lists = paths.tolist()
     for b, r in enumerate(rules):
-        if r is None:
+        if r is None or not r.bans:
             continue
         always = list(r.always)
         for j in range(k):
@@ -181,7 +212,7 @@ def mask_banned(rules: Sequence[DraftRules | None], paths: torch.Tensor, logp: t
             rows.extend([b * k + j] * len(ban))
             cols.extend(ban)
     if not rows:
-        return logp
+        return logp if all(r is None or r.penalty == 1.0 for r in rules) else logp.log_softmax(-1)
     rows_t, cols_t = torch.tensor(rows), torch.tensor(cols)
     if to_draft is not None:
         cols_t = to_draft[cols_t]
@@ -191,6 +222,26 @@ def mask_banned(rules: Sequence[DraftRules | None], paths: torch.Tensor, logp: t
     # The draft's probability given what is allowed; a row with nothing left stays -inf.
     alive = torch.isfinite(flat).any(-1, keepdim=True)
     return torch.where(alive, flat.log_softmax(-1), flat).view(B, k, V)
+
+
+def _penalised(rules: Sequence[DraftRules | None], paths: torch.Tensor, logp: torch.Tensor,
+               to_draft: torch.Tensor | None) -> torch.Tensor:
+    """``logp`` times each request's penalty at the tokens of each node's sequence (its
+    history and its path), not renormalised."""
+    B, k, V = logp.shape
+    out = None
+    for b, r in enumerate(rules):
+        if r is None or r.penalty == 1.0:
+            continue
+        ids = torch.cat([r.seen_ids()[None].expand(k, -1), paths[b].cpu()], dim=1)  # [k, n + d], target ids
+        if to_draft is not None:
+            ids = to_draft[ids]
+        ids = torch.where(ids >= 0, ids, V)  # a token the draft lacks: a column past the end
+        seen = torch.zeros(k, V + 1, dtype=torch.bool).scatter_(1, ids, True)[:, :V].to(logp.device)
+        if out is None:
+            out = logp.clone()
+        out[b] = torch.where(seen, logp[b] * r.penalty, logp[b])
+    return logp if out is None else out
 
 
 def draft_constrain(rules: Sequence[DraftRules | None] | None, to_target: Callable | None = None,

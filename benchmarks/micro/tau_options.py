@@ -1,11 +1,12 @@
-"""Mean accepted length (tau) with generation options, drafts that honour the hard constraints
-against drafts that do not, the shipped head with prompt lookup on fixed trees.
+"""Mean accepted length (tau) with generation options, drafts that honour them against drafts
+that do not, the shipped head with prompt lookup on fixed trees.
 
 Feeds docs/generation.md, "What the options cost". Greedy, bf16; the prompts: GSM8K test
 questions and Spec-Bench conversation first turns. tau depends only on the tokens, not on
-timing (the trees are fixed, not ``auto``), so a busy machine does not change it. "drafts
-blind" turns treespec.constraints off (no mask in the builder, no pruning): the drafts of
-before this change.
+timing (the trees are fixed, not ``auto``), so a busy machine does not change it. Drafts:
+"blind" turns treespec.constraints off (no mask in the builder, no pruning: the drafts of
+before it), "bans" honours the hard constraints only, "all" applies the repetition penalty
+to the draft's log-probabilities too (the default).
 
     python benchmarks/micro/tau_options.py --num-prompts 10 --out benchmarks/results/tau-options.json
 """
@@ -47,6 +48,22 @@ def tau(model, draft, tree, prompts, max_new, options) -> tuple[float, list[list
     return accepted / max(steps, 1), outputs
 
 
+def rules_for(mode: str):
+    """A replacement for DraftRules.from_processors: the drafts' knowledge of the options."""
+    full = DraftRules.from_processors
+
+    def made(processors, sequence):
+        r = full(processors, sequence)
+        if r is None or mode == "all":
+            return r
+        if mode == "blind":
+            return None
+        r.penalty = 1.0
+        return r if r.bans else None
+
+    return staticmethod(made)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--num-prompts", type=int, default=10)
@@ -65,8 +82,8 @@ def main() -> None:
     for dataset, prompts in sets.items():
         for tree in args.trees.split(","):
             for name, options in OPTIONS.items():
-                for mode in (("honour", "blind") if options else ("honour",)):
-                    DraftRules.from_processors = honour if mode == "honour" else staticmethod(lambda *a, **k: None)
+                for mode in (("all", "bans", "blind") if options else ("all",)):
+                    DraftRules.from_processors = honour if mode == "all" else rules_for(mode)
                     try:
                         t, outs = tau(model, draft, tree, prompts, args.max_new_tokens, options)
                     finally:
@@ -77,7 +94,7 @@ def main() -> None:
                     print(f"{key}: tau {t:.3f}", flush=True)
             for name in OPTIONS:  # the drafts change the speed, never the tokens
                 if OPTIONS[name]:
-                    same = res["outputs"][f"{dataset} {tree} {name} drafts honour"] == \
+                    same = res["outputs"][f"{dataset} {tree} {name} drafts all"] == \
                         res["outputs"][f"{dataset} {tree} {name} drafts blind"]
                     res.setdefault("same_tokens", {})[f"{dataset} {tree} {name}"] = same
     res.pop("outputs")
