@@ -6,6 +6,7 @@ continuation) and runs on stories260K, from the project's shared/ folder where t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from pathlib import Path
@@ -635,6 +636,75 @@ def test_bench_bf16_where_onednn_cannot_pack_it(capsys, caplog, monkeypatch, tmp
     rc, _, err = run(capsys, *args, "--pack")
     assert rc != 0
     assert "cannot pack bfloat16" in error_line(err) and "--dtype float32" in err
+
+
+def _pack_timings(monkeypatch, plain_ms, packed_ms):
+    """The start-up timing of plain against packed weights, injected: (1-token, 16-token) ms
+    each way; the list of measurements made."""
+    import treespec.pack_choice as pc
+
+    calls = []
+
+    def measure(runner, packed):
+        calls.append(1)
+        return pc.PackingTimes((1, 16), tuple(t / 1e3 for t in plain_ms), tuple(t / 1e3 for t in packed_ms),
+                               spread=0.02)
+
+    monkeypatch.setattr(pc, "measure_packing", measure)
+    return calls
+
+
+@pytest.mark.parametrize("flag, pack, measured", [(None, True, 1), (True, True, 0), (False, False, 0)])
+def test_pack_flags_override_the_measured_choice(monkeypatch, tmp_path, lm, flag, pack, measured):
+    """Default: measured (the injected timings decide, then the cached ones); --pack and
+    --no-pack decide without measuring."""
+    import argparse
+
+    from treespec.cli.loading import Loaded, fast_path
+    from treespec.packing import PackedLinears
+
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
+    calls = _pack_timings(monkeypatch, (30, 50), (40, 45))  # Intel fp32: tree faster packed, decode plain
+    model, tok = lm
+    fast, choice = fast_path(argparse.Namespace(pack=flag), model)
+    assert choice.pack is pack and len(calls) == measured
+    assert choice.source == ("measured" if flag is None else "given")
+    assert isinstance(fast, PackedLinears) if pack else fast is None
+    assert (choice.decode_packed is False) if flag is None else choice.decode_packed is None
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path / "elsewhere"))
+    calls = _pack_timings(monkeypatch, (30, 40), (40, 55))  # packing slows both
+    fast_path(argparse.Namespace(pack=flag), model)  # measured, by default, and cached
+    fast, choice = fast_path(argparse.Namespace(pack=flag), model, keep=True)
+    assert choice.source == ("cached" if flag is None else "given") and len(calls) == measured
+    assert choice.pack is (pack if flag is not None else False)
+    ctx = Loaded(model, tok, fast=fast, packing=choice).packed()
+    if flag is None:  # kept for bench's packed HF generate, yet treespec runs plain
+        assert isinstance(fast, PackedLinears) and not choice.pack and isinstance(ctx, contextlib.nullcontext)
+    else:
+        assert ctx is fast if pack else isinstance(ctx, contextlib.nullcontext)
+
+
+def test_bench_header_states_the_packing_choice(capsys, monkeypatch, tmp_path, tiny_dataset, lm_dir):
+    """Where plain weights run treespec faster: bench says so above the table (and in the
+    JSON), runs treespec plain and HF generate both ways, and names the faster HF generate."""
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
+    calls = _pack_timings(monkeypatch, (30, 40), (40, 55))
+    out = tmp_path / "r.json"
+    rc, stdout, err = run(capsys, "bench", "--model", lm_dir, "--dataset", str(tiny_dataset), "--prompt-field",
+                          "text", "--num-prompts", "1", "--max-new-tokens", "4", "--config", "ngram@chain-2",
+                          "--no-warmup", "--no-hf-lookup", "--out", str(out))
+    assert rc == 0, err
+    data = json.loads(out.read_text())
+    assert calls == [1] and data["settings"]["packing"]["treespec"] == "plain"
+    assert [c["name"] for c in data["configs"]] == ["hf-generate", "hf-generate+fast", "treespec-ar", "ngram/chain-2"]
+    head = " ".join(stdout.split("\n\n")[0].split())  # the lines above the table
+    assert ("packing: treespec on plain weights: a 16-token forward (a verify tree) took 55.0 ms packed, 40.0 ms "
+            "plain; a 1-token forward (a decode step, all HF generate runs) 40.0 ms packed, 30.0 ms plain, faster "
+            "plain (measured now)") in head
+    assert f"same-path baseline: {data['same_path_baseline']}, HF generate on" in head
+    assert data["same_path_baseline"] in ("hf-generate", "hf-generate+fast")
+    for c in data["configs"]:
+        assert c["speedup_vs_same_path"] > 0
 
 
 def test_generation_option_flags_reach_generate_and_every_bench_configuration(capsys, lm, lm_dir, tmp_path,

@@ -26,6 +26,10 @@ Figures, per configuration:
     median_tokens_per_second  median over prompts of that prompt's tokens / seconds
     speedup                   tokens_per_second / the HF generate baseline's
     median_speedup            median over prompts of the per-prompt ratio
+    speedup_vs_same_path      tokens_per_second / the same-path baseline's: HF generate on plain
+                              or on packed weights, whichever ran faster (``same_path_baseline``)
+    speedup_vs_best_baseline  tokens_per_second / the fastest configuration's without speculation
+                              (``best_baseline``; treespec without a draft is among them)
     mean_accepted_length      tokens committed per verify forward, bonus included (tau)
     acceptance_rate_by_position[d-1]  share of verify steps that accepted >= d drafts
     categories[c]             tokens/s, speedup and tau over the prompts of category c
@@ -52,11 +56,12 @@ from .divergence import NEAR_TIE_TOLERANCE, Divergence, classify_divergence, fp3
 from .drafters.base import Drafter
 from .engine import generate as ts_generate
 from .machine import machine_info
+from .pack_choice import PackingChoice
 from .prompts import Prompt
 from .sampling import SamplingParams
 
 __all__ = ["BenchConfig", "BenchResult", "ConfigResult", "BenchProgress", "run_bench", "format_table", "to_json",
-           "save_plots"]
+           "header_lines", "save_plots"]
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +83,8 @@ class BenchConfig:
             only) or ``"treespec"`` (``drafter`` with ``tree``).
     fast:   runs inside the benchmark's fast path (e.g. oneDNN-packed weights), when it
             has one. Plain ``hf-generate`` never does: it is the baseline a user has
-            without treespec; ``hf-generate+fast`` is the same with the fast path.
+            without treespec; ``hf-generate+fast`` is the same with the fast path. treespec's
+            configurations run there where packing pays (``PackingChoice.pack``).
     """
 
     name: str
@@ -110,21 +116,24 @@ class BenchConfig:
         return cls(f"{HF_GENERATE}+compile", HF_GENERATE, fast=False, compiled=True)
 
     @classmethod
-    def treespec_ar(cls) -> "BenchConfig":
+    def treespec_ar(cls, fast: bool = True) -> "BenchConfig":
         """treespec without speculation (every tree is the root alone): autoregressive
-        decoding through treespec's runner and fast path, a baseline for speculation."""
+        decoding through treespec's runner, on the weights treespec runs on (``fast``: the
+        fast path), a baseline for speculation."""
         from .drafters.none import NoDrafter
 
-        return cls(TREESPEC_AR, TREESPEC, NoDrafter(), TreeConfig.chain(1), draft_name="none", tree_name="root only")
+        return cls(TREESPEC_AR, TREESPEC, NoDrafter(), TreeConfig.chain(1), draft_name="none", tree_name="root only",
+                   fast=fast)
 
     @classmethod
     def hf_lookup(cls, k: int = 3) -> "BenchConfig":
         return cls(f"{HF_LOOKUP}-{k}", HF_LOOKUP, lookup_tokens=k)
 
     @classmethod
-    def treespec(cls, drafter: Drafter, tree: TreeConfig, draft_name: str, tree_name: str) -> "BenchConfig":
+    def treespec(cls, drafter: Drafter, tree: TreeConfig, draft_name: str, tree_name: str,
+                 fast: bool = True) -> "BenchConfig":
         return cls(f"{draft_name}/{tree_name}", TREESPEC, drafter, tree,
-                   draft_name=draft_name, tree_name=tree_name)
+                   draft_name=draft_name, tree_name=tree_name, fast=fast)
 
     def describe(self) -> dict:
         d = {"name": self.name, "kind": self.kind}
@@ -201,6 +210,7 @@ class BenchResult:
     fast_path: str | None = None
     categories: list[str | None] = field(default_factory=list)  # each prompt's, where it has one
     turns: list[int] = field(default_factory=list)  # each prompt's number of user turns
+    packing: PackingChoice | None = None  # the start-up choice of weights for treespec
 
     @property
     def baseline(self) -> ConfigResult:
@@ -335,6 +345,7 @@ def run_bench(
     auto_profile=None,
     options: dict | None = None,
     tokenizer=None,
+    packing=None,
 ) -> BenchResult:
     """Run every configuration on every prompt (configurations inner, prompts outer).
 
@@ -348,10 +359,9 @@ def run_bench(
         warmup:   one untimed generate per configuration on a short prompt first (first
                   calls run several times slower: allocations, kernel selection).
         fast_path: a context manager (e.g. :class:`~treespec.packing.PackedLinears`) that
-                  every configuration with ``fast=True`` runs inside; plain HF generate
-                  runs outside it. Give it with ``BenchConfig.hf_generate(fast=True)`` and
-                  ``BenchConfig.treespec_ar()`` among the configs so that speculation is
-                  compared with non-speculative decoding that has the same advantage.
+                  every configuration with ``fast=True`` runs inside; plain HF generate runs
+                  outside it, ``BenchConfig.hf_generate(fast=True)`` inside: the faster of the
+                  two is the same-path baseline.
         near_tie_tolerance: greedy differences from HF generate are judged in fp32
                   (:mod:`treespec.divergence`); default by the model's dtype.
         auto_profile: the :class:`~treespec.auto.AutoProfile` that ``auto`` trees start
@@ -362,6 +372,7 @@ def run_bench(
                   given to every configuration alike, HF's baselines included.
         tokenizer: for ``stop_strings`` among the options (transformers needs it too), and
                   to template a multi-turn prompt's later turns.
+        packing:  the :class:`~treespec.pack_choice.PackingChoice` behind the ``fast`` flags.
     """
     sp = SamplingParams(temperature, top_k, top_p, min_p)
     gen = dict(options=dict(options or {}), tokenizer=tokenizer)
@@ -393,9 +404,8 @@ def run_bench(
                 judge(model, r, i, results[0].runs[i], rec)
         callback(BenchProgress("prompts", i + 1, len(prompts), None))
     return BenchResult([len(p.ids) for p in prompts], results, sp, max_new_tokens, seed, notes,
-                       dtype=str(dtype).removeprefix("torch."),
-                       fast_path=getattr(fast_path, "description", None) if fast_path is not None else None,
-                       categories=[p.category for p in prompts], turns=[p.num_turns for p in prompts])
+                       dtype=str(dtype).removeprefix("torch."), fast_path=getattr(fast_path, "description", None),
+                       categories=[p.category for p in prompts], turns=[p.num_turns for p in prompts], packing=packing)
 
 
 def _as_prompts(prompts, tokenizer) -> list[Prompt]:
@@ -587,8 +597,9 @@ def to_json(res: BenchResult, **extra) -> dict:
     """Everything as plain JSON types: ``machine``, ``settings``, ``configs``, ``prompts``,
     ``mismatches`` (treespec prompts differing from HF generate), ``notes``; where the prompts
     have categories (Spec-Bench), ``categories`` (their names, in order) and in each config
-    ``categories`` (name -> tokens/s, speedup, tau) and ``overall_speedup``; ``extra``
-    keys (e.g. ``command``, ``model``, ``dataset``) are merged at the top level."""
+    ``categories`` (name -> tokens/s, speedup, tau) and ``overall_speedup``; the names of the
+    ``same_path_baseline`` and the ``best_baseline``; ``settings.packing``, the start-up packing
+    choice; ``extra`` keys (e.g. ``command``, ``model``, ``dataset``) are merged at the top level."""
     base = res.baseline
     sp = res.sampling
     configs = [_config_figures(r, base) for r in res.results]
@@ -597,24 +608,26 @@ def to_json(res: BenchResult, **extra) -> dict:
         for c, r in zip(configs, res.results):
             if not c.get("skipped"):
                 c.update(_category_figures(res, r))
+    ran = [(c, r) for c, r in zip(configs, res.results) if not c.get("skipped")]
     # The fastest way to decode without speculation that ran here (plain HF generate, HF
     # generate on the fast path, treespec with root-only trees): speculation's own share.
-    plain = [c for c, r in zip(configs, res.results) if not r.config.speculates and not c.get("skipped")]
-    best = max(plain, key=lambda c: c["tokens_per_second"])
-    for c, r in zip(configs, res.results):
-        if not c.get("skipped"):
-            c["speedup_vs_best_baseline"] = (c["tokens_per_second"] / best["tokens_per_second"]
-                                             if best["tokens_per_second"] > 0 else None)
-            ratios = [x.tokens_per_second / b.tokens_per_second
-                      for x, b in zip(r.runs, res.results[configs.index(best)].runs) if b.tokens_per_second > 0]
-            c["median_speedup_vs_best_baseline"] = statistics.median(ratios) if ratios else None
+    best = max((x for x in ran if not x[1].config.speculates), key=lambda x: x[0]["tokens_per_second"])
+    # The same-path baseline: HF generate on plain or on packed weights, whichever ran faster
+    # here (packing can slow HF's one-token decode while it speeds treespec's tree forwards).
+    same = max((x for x in ran if x[1].config.kind == HF_GENERATE and not x[1].config.compiled),
+               key=lambda x: x[0]["tokens_per_second"])
+    _ratios_to(ran, best, "best_baseline")
+    _ratios_to(ran, same, "same_path")
     return {
         **extra,
         "machine": machine_info(),
         "settings": {"max_new_tokens": res.max_new_tokens, "temperature": sp.temperature, "top_k": sp.top_k,
                      "top_p": sp.top_p, "min_p": sp.min_p, "seed": res.seed, "num_prompts": len(res.prompt_lengths),
-                     "dtype": res.dtype, "fast_path": res.fast_path},
-        "best_baseline": best["name"],
+                     "dtype": res.dtype, "fast_path": res.fast_path,
+                     "packing": None if res.packing is None else {**res.packing.to_json(),
+                                                                  "summary": res.packing.describe()}},
+        "best_baseline": best[0]["name"],
+        "same_path_baseline": same[0]["name"],
         **({"categories": categories} if categories else {}),
         "configs": configs,
         "prompts": _prompt_figures(res),
@@ -622,6 +635,35 @@ def to_json(res: BenchResult, **extra) -> dict:
         "unexplained_mismatches": res.treespec_unexplained,
         "notes": list(res.notes),
     }
+
+
+def _ratios_to(ran: list[tuple[dict, ConfigResult]], base: tuple[dict, ConfigResult], key: str) -> None:
+    """Each configuration's ``speedup_vs_{key}`` (tokens/s over ``base``'s) and its median over
+    prompts, ``median_speedup_vs_{key}``."""
+    btps, bruns = base[0]["tokens_per_second"], base[1].runs
+    for c, r in ran:
+        c[f"speedup_vs_{key}"] = c["tokens_per_second"] / btps if btps > 0 else None
+        ratios = [x.tokens_per_second / b.tokens_per_second for x, b in zip(r.runs, bruns) if b.tokens_per_second > 0]
+        c[f"median_speedup_vs_{key}"] = statistics.median(ratios) if ratios else None
+
+
+def header_lines(data: dict) -> list[str]:
+    """What the ratios rest on, for the lines above the table: the weights treespec ran on
+    with the start-up timings that chose them, and the same-path baseline with this run's
+    HF generate rates on plain and packed weights."""
+    lines = []
+    packing = data["settings"].get("packing")
+    if packing is not None:
+        lines.append(f"packing: {packing['summary']}")
+    rates = {c["name"]: c["tokens_per_second"] for c in data["configs"] if not c.get("skipped")}
+    same = data.get("same_path_baseline")
+    plain, packed = rates.get(HF_GENERATE), rates.get(f"{HF_GENERATE}+fast")
+    if same is not None and plain is not None and packed is not None:
+        lines.append(f"same-path baseline: {same}, HF generate on {'packed' if same != HF_GENERATE else 'plain'} "
+                     f"weights, the faster here ({packed:.1f} tok/s packed, {plain:.1f} plain)")
+    elif same is not None:
+        lines.append(f"same-path baseline: {same} (HF generate did not run on packed weights)")
+    return lines
 
 
 def _fmt(v, spec, suffix=""):
@@ -742,12 +784,12 @@ def _config_meaning(data: dict, configs: list[dict], aliases: dict[str, str]) ->
     kinds = {c["kind"] for c in configs}
     parts = [f"{HF_GENERATE}: transformers' model.generate, eager weights, the baseline of every speedup"]
     if any(n.endswith("+fast") for n in names):
-        parts.append(f"+fast: the same on treespec's fast path ({data['settings'].get('fast_path') or 'packed'})")
+        parts.append(f"+fast: the same on {data['settings'].get('fast_path') or 'packed weights'}")
     if any(n.endswith("+compile") for n in names):
         parts.append("+compile: with a static cache and torch.compile")
     if TREESPEC_AR in names:
-        parts.append(f"{TREESPEC_AR}: treespec without a draft (one token per forward, fast path): its decoding "
-                     "without speculation")
+        parts.append(f"{TREESPEC_AR}: treespec without a draft (one token per forward, on treespec's weights): its "
+                     "decoding without speculation")
     if HF_LOOKUP in kinds:
         parts.append(f"{HF_LOOKUP}-K: transformers' prompt lookup decoding, K tokens")
     if any(c["kind"] == TREESPEC and c.get("draft") != "none" for c in configs):

@@ -11,7 +11,8 @@ non-decreasing by isotonic regression, linear interpolation between the measured
 
 The curve is cached as JSON in ``treespec.models.cache_dir() / "costs"``, one file per key
 (model identity, dtype, backend, threads, device name, packed weights); ``refresh=True``
-measures again. Another process on the cores distorts the measurement, so a curve is cached
+measures again. (The plain-against-packed timings of :mod:`treespec.pack_choice` live there
+too, as ``packing-*.json``, timed with :func:`prefixed_forward` and kept by the same rule.) Another process on the cores distorts the measurement, so a curve is cached
 only when its samples agree: one whose samples of a size spread by more than ``MAX_SPREAD`` of
 their median (or that had time for one round only) serves the run that measured it and is
 measured again next time; and ``auto`` drops a cached curve that its live steps contradict
@@ -35,7 +36,7 @@ import numpy as np
 import torch
 
 __all__ = ["CostCurve", "GRID", "cost_key", "measure_cost_curve", "cached_cost_curve", "drop_cached_cost_curve",
-           "device_name"]
+           "device_name", "model_identity", "prefixed_forward", "sample_spread", "cache_file"]
 
 log = logging.getLogger(__name__)
 
@@ -109,11 +110,9 @@ def device_name(device: torch.device) -> str:
         return platform.processor() or platform.machine()
 
 
-def cost_key(runner) -> dict:
-    """What the cost of a forward depends on: the model, how it runs, and where."""
-    from .packing import PackedLinear
-
-    model = runner.model
+def model_identity(model) -> dict:
+    """Which model this is, wherever it was loaded from: its name, a hash of its config and its
+    parameter count (a config alone does not tell a truncated copy from its source)."""
     cfg = model.config.to_dict()
     cfg.pop("_name_or_path", None)
     cfg.pop("_attn_implementation_autoset", None)
@@ -123,6 +122,16 @@ def cost_key(runner) -> dict:
         "model": getattr(model.config, "_name_or_path", "") or type(model).__name__,
         "model_config": cfg_hash,
         "parameters": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def cost_key(runner) -> dict:
+    """What the cost of a forward depends on: the model, how it runs, and where."""
+    from .packing import PackedLinear
+
+    model = runner.model
+    return {
+        **model_identity(model),
         "dtype": str(runner.dtype).removeprefix("torch."),
         "backend": runner.backend.name,
         "threads": torch.get_num_threads(),
@@ -131,11 +140,13 @@ def cost_key(runner) -> dict:
     }
 
 
-def _key_file(key: dict) -> Path:
+def cache_file(key: dict, prefix: str = "") -> Path:
+    """The cache file of ``key``'s measurement; ``prefix`` names another kind than a cost curve
+    (``packing-``: :mod:`treespec.pack_choice`)."""
     from .models import cache_dir
 
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-    return cache_dir() / "costs" / f"{digest}.json"
+    return cache_dir() / "costs" / f"{prefix}{digest}.json"
 
 
 def measure_cost_curve(runner, max_tokens: int, repeats: int = REPEATS, budget: float = BUDGET_SECONDS,
@@ -145,10 +156,29 @@ def measure_cost_curve(runner, max_tokens: int, repeats: int = REPEATS, budget: 
     size, up to ``repeats``, stop once ``budget`` seconds have gone (the first round always
     completes); the curve's ``spread`` says how far each size's samples disagree. ``clock``:
     the timer (tests pass a fake one)."""
+    qs = sorted({q for q in GRID if q < max_tokens} | {max(int(max_tokens), 1)})
+    once = prefixed_forward(runner, qs[-1], clock)
+    once(qs[-1])  # warm-up: first calls allocate and pick kernels
+    # Round-robin over the sizes, so that a burst of noise (another process, a frequency
+    # change) spreads over several sizes' samples rather than owning all of one size's.
+    samples = {q: [] for q in qs}
+    start = clock()
+    for _ in range(repeats):
+        for q in qs:
+            samples[q].append(once(q))
+        if clock() - start > budget:
+            break
+    seconds = monotone_fit([statistics.median(samples[q]) for q in qs]).tolist()
+    return CostCurve(tuple(qs), tuple(seconds), spread=sample_spread(samples.values()))
+
+
+def prefixed_forward(runner, max_tokens: int, clock: Callable[[], float] = time.perf_counter) -> Callable[[int], float]:
+    """``once(q)``: the seconds of one forward of q <= ``max_tokens`` tokens under a causal mask
+    behind a ``PREFIX``-token prompt, in a scratch cache of one request (prefilled here, before
+    it returns); the q tokens' K/V are dropped after each call. The model must be attached."""
     from .mask import causal_mask
 
-    qs = sorted({q for q in GRID if q < max_tokens} | {max(int(max_tokens), 1)})
-    cache = runner.new_cache([PREFIX + qs[-1]])
+    cache = runner.new_cache([PREFIX + max_tokens])
     seq = cache.add_sequence()
     vocab = runner.vocab_size
     prefix = torch.arange(PREFIX) * 7 % vocab
@@ -167,18 +197,7 @@ def measure_cost_curve(runner, max_tokens: int, repeats: int = REPEATS, budget: 
         cache.truncate(seq, PREFIX)
         return dt
 
-    once(qs[-1])  # warm-up: first calls allocate and pick kernels
-    # Round-robin over the sizes, so that a burst of noise (another process, a frequency
-    # change) spreads over several sizes' samples rather than owning all of one size's.
-    samples = {q: [] for q in qs}
-    start = clock()
-    for _ in range(repeats):
-        for q in qs:
-            samples[q].append(once(q))
-        if clock() - start > budget:
-            break
-    seconds = monotone_fit([statistics.median(samples[q]) for q in qs]).tolist()
-    return CostCurve(tuple(qs), tuple(seconds), spread=sample_spread(samples.values()))
+    return once
 
 
 def sample_spread(samples) -> float:
@@ -208,7 +227,7 @@ def cached_cost_curve(runner, max_tokens: int, refresh: bool = False) -> CostCur
     ``max_tokens`` or ``refresh``, and saved only if its samples agree (``MAX_SPREAD``); the
     model must be attached."""
     key = cost_key(runner)
-    path = _key_file(key)
+    path = cache_file(key)
     if not refresh and path.is_file():
         try:
             data = json.loads(path.read_text())
@@ -240,7 +259,7 @@ def cached_cost_curve(runner, max_tokens: int, refresh: bool = False) -> CostCur
 def drop_cached_cost_curve(key: dict, curve: CostCurve) -> bool:
     """Remove the disk cache's curve for ``key`` if it is ``curve`` (another process may have
     measured a new one meanwhile); True if removed."""
-    path = _key_file(key)
+    path = cache_file(key)
     try:
         data = json.loads(path.read_text())
         if CostCurve.from_json(data["curve"]) != curve:

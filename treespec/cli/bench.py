@@ -24,8 +24,10 @@ def add_arguments(p):
         "Run HF generate, HF prompt lookup and treespec configurations side by side on the same prompts (all "
         "configurations on prompt i before prompt i+1). Greedy outputs are checked token for token against HF "
         "generate; a difference is judged in fp32 at its first token (a rounding near-tie, possible in bf16, or "
-        "unexplained) and an unexplained treespec difference exits with status 1. With packed weights (--pack, the "
-        "CPU default) HF generate and treespec without speculation (treespec-ar) also run on the packed weights.")
+        "unexplained) and an unexplained treespec difference exits with status 1. Where oneDNN packs the weights "
+        "(and not --no-pack), HF generate also runs on packed weights, and the faster of plain and packed HF generate "
+        "is the same-path baseline; treespec and treespec without speculation (treespec-ar) run on the weights the "
+        "start-up measurement chose (--pack: packed), as the header says.")
     add_model(p)
     p.add_argument("--draft", action="append", default=None,
                    help="draft to run (repeatable): a shipped head name, head directory, 'ngram' or "
@@ -43,8 +45,8 @@ def add_arguments(p):
                    help="HF prompt lookup's prompt_lookup_num_tokens (default: %(default)s, as ngram's chain-3)")
     p.add_argument("--no-hf-lookup", action="store_true", help="skip HF prompt lookup")
     p.add_argument("--no-treespec-ar", action="store_true",
-                   help="skip the treespec-ar baseline (treespec without a draft on packed weights); "
-                        "HF generate on packed weights stays the same-advantage baseline")
+                   help="skip the treespec-ar baseline (treespec without a draft, on treespec's weights); "
+                        "HF generate on packed weights stays")
     p.add_argument("--hf-compile", action="store_true",
                    help="also run HF generate with a static cache and torch.compile (compiles for a minute or more "
                         "first; on the CPUs measured it was slower than plain HF generate, docs/benchmarks.md)")
@@ -102,16 +104,20 @@ def run(args):
     if profile is not None and not any(cfg.auto for cfg, _ in trees.values()):
         log.warning("--auto-profile is for auto trees: none of the configurations uses it")
 
-    from ..bench import BenchConfig, format_table, run_bench, save_plots, to_json
+    from ..bench import BenchConfig, format_table, header_lines, run_bench, save_plots, to_json
 
+    # keep_packed: HF generate runs on packed weights too, whichever weights treespec runs on,
+    # so that the same-path baseline is the faster of plain and packed HF generate.
     loaded = load(args, [d for d, _ in pairs], prompts=lambda tok: load_bench_prompts(
-        args.dataset, tok, args.num_prompts, prompt_field=args.prompt_field, raw=args.raw))
+        args.dataset, tok, args.num_prompts, prompt_field=args.prompt_field, raw=args.raw), keep_packed=True)
     prompts, fmt = loaded.prompts
+    fast = loaded.packing.pack  # treespec's configurations on the packed weights, where they pay
     configs = [BenchConfig.hf_generate()]
     if loaded.fast is not None:
-        # The same advantage without speculation: HF generate and treespec's own
-        # one-token decoding, both on the packed weights.
-        configs += [BenchConfig.hf_generate(fast=True)] + ([] if args.no_treespec_ar else [BenchConfig.treespec_ar()])
+        # Decoding without speculation: HF generate on the packed weights (beside plain), and
+        # treespec's own one-token decoding on the weights treespec runs on.
+        configs += [BenchConfig.hf_generate(fast=True)] + ([] if args.no_treespec_ar else
+                                                           [BenchConfig.treespec_ar(fast=fast)])
     if args.hf_compile:
         configs.append(BenchConfig.hf_generate_compiled())
     if not args.no_hf_lookup:
@@ -119,14 +125,14 @@ def run(args):
     for d, t in pairs:
         drafter, dname = loaded.drafters[d]
         cfg, tname = trees[t]
-        configs.append(BenchConfig.treespec(drafter, cfg, dname, tname))
+        configs.append(BenchConfig.treespec(drafter, cfg, dname, tname, fast=fast))
 
     bars = Bars(lambda stage: "prompt" if stage == "prompts" else "config", leave=lambda stage: stage == "prompts",
                 postfix=lambda p: p.config)
     res = run_bench(loaded.model, prompts, configs, max_new_tokens=args.max_new_tokens, temperature=sp.temperature,
                     top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p, seed=args.seed, warmup=args.warmup,
                     attention_backend=args.backend, callback=bars, fast_path=loaded.fast, auto_profile=profile,
-                    options=generation_options(args), tokenizer=loaded.tokenizer)
+                    options=generation_options(args), tokenizer=loaded.tokenizer, packing=loaded.packing)
     bars.close()
     data = to_json(res, command="treespec " + shlex.join(portable(a) for a in args.argv), model=args.model,
                    dataset=portable(args.dataset), prompt_format=fmt)
@@ -136,6 +142,7 @@ def run(args):
               + _per_category(counts) + f", {args.max_new_tokens} new tokens"
               + (" a turn" if any(p.num_turns > 1 for p in prompts) else "")
               + ", " + ("greedy" if sp.greedy else f"temperature {sp.temperature}")),
+        *(_wrap(line) for line in header_lines(data)),
         format_table(data, wide=args.wide),
         *(_wrap(f"note: {note}") for note in data["notes"]),
     ]) + "\n"

@@ -104,9 +104,11 @@ def add_runtime(p, *, device: str = "auto", dtype: str = "auto", pack: bool | No
                         + here(dtype, "auto"))
     p.add_argument("--pack", action=argparse.BooleanOptionalAction, default=pack,
                    help="run the model's linear layers on oneDNN-packed weights (CPU; about 0.5 s to pack, doubles "
-                        "the linear weights' memory). Default: on for a CPU model whose dtype oneDNN packs here (fp32 "
-                        "always; bf16 with AVX512 or AVX-NE-CONVERT). In bench, HF generate is also run with "
-                        "packed weights, beside plain HF generate" + ("" if pack is None else " (default here: off)"))
+                        "the linear weights' memory); --no-pack: on plain weights. Default: whichever runs a verify "
+                        "forward faster here, timed once at start-up per model, dtype, thread count and CPU (cached "
+                        "with the cost curves; oneDNN packs fp32 always, bf16 with AVX512 or AVX-NE-CONVERT). In "
+                        "bench, HF generate also runs on packed weights, and the faster of plain and packed is the "
+                        "same-path baseline" + ("" if pack is None else " (default here: off)"))
 
 
 def add_auto_profile(p):

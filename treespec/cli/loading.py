@@ -1,7 +1,7 @@
 """The set-up chain generate, bench, tune, capture and tree show run, written once:
 
     check:  flags -> sampling -> tree specs -> (a dataset file) -> draft specs
-    load:   threads -> target -> (prompts) -> drafters -> packed weights
+    load:   threads -> target -> (prompts) -> drafters -> packed weights (where they pay)
 
 Every mistake a user can make in a flag answers in ``check``, before seconds of loading;
 ``load`` then reads the prompts before any drafter, so a bad prompt field fails before a
@@ -142,49 +142,61 @@ def setup_threads(args, warn: bool = True) -> str | None:
     return warning
 
 
-def fast_path(args, model, drafters=()):
-    """The packed-weights context for ``model`` and the drafters' modules, or None, per --pack."""
+def fast_path(args, model, drafters=(), keep: bool = False):
+    """``(packed weights or None, PackingChoice)`` for ``model`` and the drafters' modules, per
+    --pack: forced on (an error where oneDNN cannot pack), off, or by default whichever runs
+    the target faster here, measured once and cached (:func:`treespec.pack_choice.choose_packing`).
+    ``keep``: the packed weights also where treespec runs plain (bench's packed HF baseline)."""
     import torch
 
+    from ..pack_choice import PackingChoice, choose_packing
     from ..packing import PackedLinears, onednn_packs, packing_supported
 
     if args.pack is False:
-        return None
+        return None, PackingChoice(False, "given")
     if args.pack is None and not packing_supported(model):
         p = next(model.parameters())
         if p.device.type == "cpu" and p.dtype == torch.bfloat16 and onednn_packs(torch.float32):
             log.warning("weights not packed: oneDNN cannot pack bfloat16 on this CPU, so the model runs on plain "
                         "weights (--dtype float32 or auto packs; --pack makes this an error)")
-        return None
+        return None, PackingChoice(False, "unsupported")
+    modules = [m for d in drafters for m in d.modules()]
     try:
-        return PackedLinears(model, *(m for d in drafters for m in d.modules()))
+        if args.pack:
+            return PackedLinears(model, *modules), PackingChoice(True, "given")
+        choice, packed = choose_packing(model, *modules, keep=keep)
     except ValueError as e:
         raise UserError(f"--pack: {e}") from None
+    return packed, choice
 
 
 @dataclass
 class Loaded:
     """What a command runs on: the target, what ``prompts`` made of its tokenizer, the
-    drafters by spec as ``(Drafter, short name)``, and the packed-weights context or None."""
+    drafters by spec as ``(Drafter, short name)``, the packed weights or None, and the
+    :class:`~treespec.pack_choice.PackingChoice` saying whether treespec runs on them."""
 
     model: Any
     tokenizer: Any
     prompts: Any = None
     drafters: dict = field(default_factory=dict)
     fast: Any = None
+    packing: Any = None
 
     def packed(self):
-        """The packed weights' context, or one that changes nothing."""
-        return self.fast if self.fast is not None else contextlib.nullcontext()
+        """The packed weights' context where treespec runs on them, else one that changes nothing."""
+        use = self.fast is not None and (self.packing is None or self.packing.pack)
+        return self.fast if use else contextlib.nullcontext()
 
 
-def load(args, drafts: Iterable[str] = (), prompts: Callable | None = None) -> Loaded:
-    """Threads, the target, ``prompts(tokenizer)``, the drafters, then packed weights for all."""
+def load(args, drafts: Iterable[str] = (), prompts: Callable | None = None, keep_packed: bool = False) -> Loaded:
+    """Threads, the target, ``prompts(tokenizer)``, the drafters, then packed weights for all
+    (``keep_packed``: also where treespec runs plain, for a packed baseline)."""
     busy = setup_threads(args, warn=False)
     model, tok = load_target(args)  # a name that is no model fails in one line, no advice first
     if busy:
         log.warning(busy)
     out = Loaded(model, tok, prompts(tok) if prompts is not None else None)
     out.drafters = {d: drafter(d, model, tok, args.backend) for d in dict.fromkeys(drafts)}
-    out.fast = fast_path(args, model, [d for d, _ in out.drafters.values()])
+    out.fast, out.packing = fast_path(args, model, [d for d, _ in out.drafters.values()], keep=keep_packed)
     return out
