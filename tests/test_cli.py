@@ -70,7 +70,7 @@ def greedy_text(model, tok, prompt: str, n: int) -> str:
 # ---- argument handling ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("sub", [[], ["generate"], ["bench"], ["tree"], ["tree", "show"], ["train-eagle"]])
+@pytest.mark.parametrize("sub", [[], ["generate"], ["chat"], ["bench"], ["tree"], ["tree", "show"], ["train-eagle"]])
 def test_help_exits_zero(capsys, sub):
     rc, out, _ = run(capsys, *sub, "--help")
     assert rc == 0
@@ -753,7 +753,7 @@ def command_parser(name):
     return sub
 
 
-@pytest.mark.parametrize("name", ["generate", "train-eagle", "capture", "tune", "tree", "export"])
+@pytest.mark.parametrize("name", ["generate", "chat", "train-eagle", "capture", "tune", "tree", "export"])
 def test_every_option_has_help(name):
     """Issue 31: most of train-eagle's options had no help text."""
     bare = [a.option_strings[0] for a in command_parser(name)._actions
@@ -763,6 +763,8 @@ def test_every_option_has_help(name):
 
 @pytest.mark.parametrize("argv, shown", [
     (["generate", "--help"], ["--max-new-tokens MAX_NEW_TOKENS", "(default: 128)", "(default: 0.0)"]),
+    (["chat", "--help"], ["--max-new-tokens MAX_NEW_TOKENS the most tokens to generate per prompt (default: 512)",
+                          "(0: off; a treespec without PrefixCache runs none) (default: 512)"]),
     (["train-eagle", "--help"], ["(default: 3)", "(default: 0.001)", "(default: eagle3)", "(default: 512)"]),
     (["capture", "--help"], ["(default: 0.8)", "(default: 64)"]),
     (["tree", "show", "--help"], ["(default: 100)"]),

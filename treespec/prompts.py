@@ -124,21 +124,25 @@ def _chat(tokenizer, dataset: str, raw: bool) -> bool:
     return chat
 
 
-def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
+def encode_prompt(tokenizer, text: str, chat: bool, system: str | None = None) -> list[int]:
     """Token ids of ``text``: as one user chat message with the generation prompt, or as
-    plain text (the tokenizer's special tokens, e.g. BOS, added)."""
-    return encode_conversation(tokenizer, [text], [], chat)
+    plain text (the tokenizer's special tokens, e.g. BOS, added). ``system``: a system prompt
+    before it (see :func:`encode_conversation`)."""
+    return encode_conversation(tokenizer, [text], [], chat, system)
 
 
-def encode_conversation(tokenizer, turns: Sequence[str], answers: Sequence[str], chat: bool) -> list[int]:
+def encode_conversation(tokenizer, turns: Sequence[str], answers: Sequence[str], chat: bool,
+                        system: str | None = None) -> list[int]:
     """Token ids of a conversation that ends with the user's turn ``turns[-1]``: user turn i,
     then ``answers[i]`` as the assistant's reply, for each earlier turn. As chat messages with
-    the generation prompt, or as plain text (turns and answers joined by blank lines, BOS added)."""
+    the generation prompt, or as plain text (turns and answers joined by blank lines, BOS added).
+    ``system``: a system message first (in plain text, the first paragraph); None leaves the
+    template's own default, if it has one (SmolLM2's names itself)."""
     if len(answers) != len(turns) - 1:
         raise ValueError(f"a conversation of {len(turns)} user turns needs {len(turns) - 1} answers, "
                          f"got {len(answers)}")
     if chat:
-        messages = []
+        messages = [] if system is None else [{"role": "system", "content": system}]
         for turn, answer in zip(turns, [*answers, None]):
             messages.append({"role": "user", "content": turn})
             if answer is not None:
@@ -146,6 +150,8 @@ def encode_conversation(tokenizer, turns: Sequence[str], answers: Sequence[str],
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     text = "\n\n".join(x for pair in zip(turns, [*answers, None]) for x in pair if x is not None)
+    if system is not None:
+        text = f"{system}\n\n{text}"
     return list(tokenizer(text)["input_ids"])
 
 

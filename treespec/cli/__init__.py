@@ -1,6 +1,7 @@
 """The ``treespec`` command line.
 
-    treespec generate [--model M] [--draft D] [--tree T] [--prompt TEXT | --chat TEXT] ...
+    treespec generate [--model M] [--draft D] [--tree T] [--prompt TEXT | --chat TEXT] [--system TEXT] ...
+    treespec chat [--model M] [--draft D] [--tree T] [--system TEXT] [--max-new-tokens N] ...
     treespec bench [--dataset gsm8k] [--draft D ...] [--tree T ...] [--out results.json] ...
     treespec tree show PRESET|TREE.json [--prompt TEXT --model M --draft D] --out tree.png
     treespec train-eagle --data DATA.jsonl --out DIR ...
@@ -36,6 +37,7 @@ __all__ = ["main", "build_parser", "COMMANDS"]
 #: are declared by the module ``treespec.cli.<command, "-" as "_">``
 COMMANDS = {
     "generate": "generate text with tree speculation, streamed to stdout",
+    "chat": "chat with the model in the terminal, each answer streamed as it is decoded",
     "bench": "benchmark HF generate, HF prompt lookup and treespec side by side",
     "tree": "look at tree shapes",
     "train-eagle": "train an EAGLE draft head for a target model",

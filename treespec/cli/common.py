@@ -42,6 +42,16 @@ def add_model(p, help: str = MODEL_HELP):
     p.add_argument("--model", default=DEFAULT_MODEL, help=help)
 
 
+def add_pair(p):
+    """--draft and --tree, one of each (generate, chat; bench takes several)."""
+    p.add_argument("--draft", default=DEFAULT_SPEC,
+                   help=DRAFT_HELP + " (default: %(default)s, the shipped head with prompt lookup)")
+    p.add_argument("--tree", default=DEFAULT_TREE,
+                   help="a preset name or a JSON tree file (default: %(default)s: each step verifies the tree that "
+                        "pays most from this machine's measured verify costs and the draft's calibrated scores; "
+                        "the fastest beside every fixed preset with the shipped head, docs/benchmarks.md)")
+
+
 def add_dataset(p):
     p.add_argument("--dataset", default="gsm8k",
                    help="gsm8k, humaneval, chat, spec-bench (Spec-Bench's six categories; one alone: "

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import sys
 
-from .common import (DEFAULT_SPEC, DEFAULT_TREE, DRAFT_HELP, add_auto_profile, add_model, add_runtime, add_sampling,
-                     auto_profile, generation_options, log)
-from .prompt import add_prompt_source, prompt_ids, read_message
+from .common import add_auto_profile, add_model, add_pair, add_runtime, add_sampling
+from .prompt import add_prompt_source, add_system, prompt_ids, read_message
 
 
 def add_arguments(p):
@@ -15,16 +14,12 @@ def add_arguments(p):
                      "line goes to stderr. The prompt: --prompt, --chat, --prompt-file, or text piped to stdin "
                      "(echo 'Tell me about Paris' | treespec generate); else a built-in one, shown on stderr.")
     add_model(p)
-    p.add_argument("--draft", default=DEFAULT_SPEC,
-                   help=DRAFT_HELP + " (default: %(default)s, the shipped head with prompt lookup)")
-    p.add_argument("--tree", default=DEFAULT_TREE,
-                   help="a preset name or a JSON tree file (default: %(default)s: each step verifies the tree that "
-                        "pays most from this machine's measured verify costs and the draft's calibrated scores; "
-                        "the fastest beside every fixed preset with the shipped head, docs/benchmarks.md)")
+    add_pair(p)
     src = add_prompt_source(p, "plain text to continue", "a user message, wrapped in the model's chat template")
     src.add_argument("--prompt-file", metavar="FILE",
                      help="a user message read from FILE (UTF-8), as --chat (plain text if the model has no chat "
                           "template); text piped to stdin is read the same way when no prompt flag is given")
+    add_system(p, "with --chat, --prompt-file, stdin or the built-in message, through the chat template")
     p.add_argument("--allow-past-context", action="store_true",
                    help="generate even when the prompt is longer than the model's context (max_position_embeddings; "
                         "refused otherwise) or the answer may run past it: the text degrades there")
@@ -34,15 +29,11 @@ def add_arguments(p):
 
 
 def run(args):
-    from .loading import check, load
+    from .loading import check, load, stream_options
 
     sp, trees = check(args, [args.tree], [args.draft], then=[lambda: read_message(args)])
     cfg, tree_name = trees[args.tree]
-    profile = None
-    if cfg.auto:
-        profile = auto_profile(args)
-    elif args.auto_profile:
-        log.warning("--auto-profile is for the auto tree: --tree %s does not use it", args.tree)
+    options = stream_options(args, sp, cfg)
     loaded = load(args, [args.draft], prompts=lambda tok: prompt_ids(tok, args, args.model))
     drafter, draft_name = loaded.drafters[args.draft]
 
@@ -53,11 +44,8 @@ def run(args):
     metrics = None
     try:
         with loaded.packed():
-            for out in stream(loaded.model, drafter, cfg, loaded.prompts, max_new_tokens=args.max_new_tokens,
-                              temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p,
-                              seed=args.seed, attention_backend=args.backend, auto_profile=profile,
-                              tokenizer=loaded.tokenizer, allow_past_context=args.allow_past_context,
-                              **generation_options(args)):
+            for out in stream(loaded.model, drafter, cfg, loaded.prompts, tokenizer=loaded.tokenizer,
+                              allow_past_context=args.allow_past_context, **options):
                 text.push(out.tokens[0])
                 metrics = out.metrics
     except KeyboardInterrupt:

@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from .common import Bars, UserError, check_early, log, sampling
+from .common import Bars, UserError, auto_profile, check_early, generation_options, log, sampling
 from .specs import LOOKUP_SUFFIX, check_draft_spec, tree
 
-__all__ = ["LOOKUP_SUFFIX", "check_draft_spec", "tree", "check", "load", "load_model", "drafter", "setup_threads"]
+__all__ = ["LOOKUP_SUFFIX", "check_draft_spec", "tree", "check", "stream_options", "load", "load_model", "drafter",
+           "setup_threads"]
 
 
 def check(args, trees: Iterable[str] = (), drafts: Iterable[str] = (), then: Iterable[Callable] = ()):
@@ -33,6 +34,16 @@ def check(args, trees: Iterable[str] = (), drafts: Iterable[str] = (), then: Ite
     for d in dict.fromkeys(drafts):
         check_draft_spec(d)
     return sp, parsed
+
+
+def stream_options(args, sp, cfg) -> dict:
+    """``treespec.stream``'s keywords as the sampling, generation and runtime flags set them
+    (generate's and chat's); --auto-profile is read here, so before any model loads."""
+    if not cfg.auto and args.auto_profile:
+        log.warning("--auto-profile is for the auto tree: --tree %s does not use it", args.tree)
+    return dict(max_new_tokens=args.max_new_tokens, temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p,
+                min_p=sp.min_p, seed=args.seed, attention_backend=args.backend,
+                auto_profile=auto_profile(args) if cfg.auto else None, **generation_options(args))
 
 
 # ---- loading -----------------------------------------------------------------------------

@@ -23,11 +23,26 @@ def add_prompt_source(p, prompt_help: str, chat_help: str):
     return src
 
 
+def add_system(p, where: str):
+    p.add_argument("--system", metavar="TEXT", help=f"a system prompt before the conversation ({where}; default: "
+                   "the chat template's own, if it has one)")
+
+
+def check_system(args) -> None:
+    """--system's mistakes, before any model loads."""
+    system = getattr(args, "system", None)
+    if system is not None and not system.strip():
+        raise UserError("--system is empty: give the system prompt, or leave the flag out")
+    if system is not None and getattr(args, "prompt", None) is not None:
+        raise UserError("--system goes before a chat message: use --chat TEXT, not --prompt (plain text)")
+
+
 def read_message(args) -> None:
     """Without --prompt or --chat: the message of --prompt-file, else of stdin when it is piped
     (``echo "Tell me about Paris" | treespec generate``), as ``args.message`` with
     ``args.message_from`` naming where it came from; None (the built-in message) otherwise.
     Read before any model loads, so that a missing file answers at once."""
+    check_system(args)
     args.message = args.message_from = None
     if args.prompt is not None or args.chat is not None:
         return
@@ -61,13 +76,16 @@ def prompt_ids(tokenizer, args, model_name: str) -> list[int]:
     from ..prompts import encode_prompt
 
     has_template = bool(getattr(tokenizer, "chat_template", None))
+    system = getattr(args, "system", None)
+    if system is not None and not has_template:
+        raise UserError(f"{model_name} has no chat template: --system needs one")
     message = getattr(args, "message", None)
     if message is not None:
         text = message.strip() if has_template else message.rstrip("\n")
         print(f"treespec: the prompt from {args.message_from} ({len(text)} characters), "
               + ("as a chat message" if has_template else "as plain text (the model has no chat template)"),
               file=sys.stderr)
-        ids = encode_prompt(tokenizer, text, chat=has_template)
+        ids = encode_prompt(tokenizer, text, chat=has_template, system=system)
         if not ids:
             raise UserError(f"the prompt from {args.message_from} encodes to no tokens with {model_name}'s tokenizer")
         return ids
@@ -79,9 +97,9 @@ def prompt_ids(tokenizer, args, model_name: str) -> list[int]:
     if args.chat is not None:
         if not has_template:
             raise UserError(f"{model_name} has no chat template: use --prompt TEXT")
-        return encode_prompt(tokenizer, args.chat, chat=True)
+        return encode_prompt(tokenizer, args.chat, chat=True, system=system)
     if not has_template:
         log.warning("%s has no chat template: the built-in message is used as plain text", model_name)
     print(f"treespec: no prompt given (--chat TEXT, --prompt TEXT, --prompt-file FILE or text on stdin), so the "
           f"built-in one: {DEFAULT_CHAT!r}", file=sys.stderr)
-    return encode_prompt(tokenizer, DEFAULT_CHAT, chat=has_template)
+    return encode_prompt(tokenizer, DEFAULT_CHAT, chat=has_template, system=system)
