@@ -1,13 +1,21 @@
-"""Attention backends: FlashInfer's plan arguments against the reference torch plan, backend
-selection, and (on a CUDA machine with flashinfer) the two backends' logits side by side.
+"""Attention backends against the reference torch backend: FlashInfer's plan arguments against
+the torch plan, the flex backend's block masks and outputs, backend selection, and (on a CUDA
+machine) each backend's tree logits beside the torch backend's.
 
 ``flashinfer_plan_args`` is pure index arithmetic, so it is checked on the CPU: its page
 table (``kv_indptr`` / ``kv_indices`` / ``kv_last_page_len``) must address exactly the slots
 the torch backend gathers, and its flattened custom mask must be the torch backend's
 dense mask, request by request.
+
+The flex backend runs on the CPU too: unfused (its default there) it applies only the block
+mask's mask_mod, so its tile tables are checked against ``create_block_mask``'s and, once,
+through the compiled CPU kernel, which skips the tiles the tables leave out.
 """
 
 from __future__ import annotations
+
+import shutil
+import sys
 
 import pytest
 import torch
@@ -17,7 +25,10 @@ from hypothesis import strategies as st
 import treespec
 from tiny import tiny_model
 from treespec import Tree
-from treespec.attention import TorchBackend, flashinfer_plan_args, get_backend, make_batch
+from treespec.attention import (
+    FlexBackend, TorchBackend, flashinfer_plan_args, flex_block_mask, flex_problem, get_backend, make_batch,
+)
+from treespec.drafters.model import ModelDrafter
 from treespec.drafters.ngram import NgramDrafter
 from treespec.kv_cache import PagedKVCache
 from treespec.mask import causal_mask, flat_batch_mask
@@ -148,12 +159,26 @@ def test_plan_args_literal():
 # ---- backend selection ----------------------------------------------------------------------
 
 def test_get_backend():
-    assert isinstance(get_backend("torch", "cpu"), TorchBackend)
-    assert isinstance(get_backend("auto", "cpu"), TorchBackend)
+    assert type(get_backend("torch", "cpu")) is TorchBackend
+    assert type(get_backend("auto", "cpu")) is TorchBackend  # auto never picks flex
+    flex = get_backend("flex", "cpu")
+    assert type(flex) is FlexBackend and not flex.compile  # unfused on a CPU unless asked
     with pytest.raises(ValueError, match="CUDA"):
         get_backend("flashinfer", "cpu")
-    with pytest.raises(ValueError, match="unknown attention_backend"):
+    with pytest.raises(ValueError, match="unknown attention_backend .*'flex'"):
         get_backend("bogus", "cpu")
+    with pytest.raises(ValueError, match="flex' runs on CPU and CUDA devices, not meta"):
+        get_backend("flex", "meta")
+
+
+def test_flex_on_a_torch_without_flex_attention_says_so(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.nn.attention.flex_attention", None)  # import fails
+    assert "PyTorch 2.5 or later" in flex_problem("cpu")
+    model = tiny_model("llama", 0)
+    before = model.config._attn_implementation
+    with pytest.raises(ValueError, match=r"'flex' needs torch.nn.attention.flex_attention .*use 'torch'"):
+        treespec.generate(model, NgramDrafter(), "cpu", [[1, 2, 3]], max_new_tokens=3, attention_backend="flex")
+    assert model.config._attn_implementation == before
 
 
 def test_flashinfer_on_cpu_model_raises_and_restores():
@@ -168,14 +193,111 @@ def test_flashinfer_on_cpu_model_raises_and_restores():
     assert model.config._attn_implementation == before
 
 
-# ---- CUDA -----------------------------------------------------------------------------------
+# ---- flex -----------------------------------------------------------------------------------
 
-def _flashinfer_importable() -> bool:
-    try:
-        import flashinfer  # noqa: F401
-    except Exception:
-        return False
-    return True
+@settings(max_examples=30, **SETTINGS)
+@given(R=st.integers(1, 3), n=st.integers(1, 40), kv=st.integers(1, 70), block=st.sampled_from([4, 8, 128]),
+       density=st.sampled_from([0.0, 0.3, 0.9, 1.0]), seed=st.integers(0, 1000))
+def test_flex_block_mask_tables_are_create_block_masks(R, n, kv, block, density, seed):
+    """The tile tables built from the dense mask are the ones ``create_block_mask`` builds by
+    evaluating the same mask at every (query, key): skipped, partial and full tiles alike."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(R, n, kv, generator=g) < density
+    mask[:, :, : kv // 2] |= torch.rand(R, 1, 1, generator=g) < 0.5  # a prefix every query sees: full tiles
+    ours = flex_block_mask(mask, block)
+    want = create_block_mask(lambda b, h, q, k: mask[b, q, k], R, None, n, kv, device="cpu", BLOCK_SIZE=block)
+    assert ours.seq_lengths == want.seq_lengths == (n, kv)
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                 "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+        assert torch.equal(getattr(ours, name), getattr(want, name)), name
+    seen = ours.to_dense()[:, 0]  # [R, nq, nk]: tiles computed, partial or full
+    for r in range(R):
+        for i in range(seen.shape[1]):
+            for j in range(seen.shape[2]):
+                tile = mask[r, i * block: (i + 1) * block, j * block: (j + 1) * block]
+                assert bool(seen[r, i, j]) == bool(tile.any())
+
+
+def _random_cache(prefixes, masks, page_size, rows: bool, seed: int):
+    """A cache of random K/V (2 KV heads, head dim 4) holding ``prefixes`` committed tokens per
+    sequence: in one block of rows (read as a view) or on pages handed out in a scrambled order
+    (gathered)."""
+    g = torch.Generator().manual_seed(seed)
+    longest = max(L + m.shape[1] for L, (m, _) in zip(prefixes, masks))
+    pages = len(prefixes) * (-(-longest // page_size) + 1)
+    cache = PagedKVCache(1, 2, 4, pages, page_size)
+    if rows:
+        seqs = cache.add_sequences(len(prefixes), longest)
+    else:
+        cache._free = torch.randperm(pages, generator=g).tolist()
+        seqs = [cache.add_sequence() for _ in prefixes]
+    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=g))
+    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=g))
+    for s, L in zip(seqs, prefixes):
+        cache.reserve(s, L)
+        cache.commit(s, torch.arange(L))
+    return cache, seqs
+
+
+@settings(max_examples=30, **SETTINGS)
+@given(prefixes=st.lists(st.integers(0, 13), min_size=1, max_size=4),
+       masks=st.lists(local_mask(), min_size=4, max_size=4),
+       page_size=st.sampled_from([1, 4, 5]),
+       window=st.sampled_from([None, 3]),
+       rows=st.booleans(),
+       seed=st.integers(0, 1000))
+def test_flex_attends_like_torch(prefixes, masks, page_size, window, rows, seed):
+    """Random trees (and drafter-style last levels), ragged prefixes, GQA, sliding windows, K/V
+    read as a view or gathered: flex gives the torch backend's outputs."""
+    masks = masks[: len(prefixes)]
+    cache, seqs = _random_cache(prefixes, masks, page_size, rows, seed)
+    args = (seqs, prefixes, [m for m, _ in masks], [L + d for L, (_, d) in zip(prefixes, masks)])
+    ref, flex = make_batch(cache, *args, TorchBackend()), make_batch(cache, *args, FlexBackend("cpu"))
+    q = torch.randn(sum(m.shape[0] for m, _ in masks), 4, 4, generator=torch.Generator().manual_seed(seed))
+    out = flex.backend.run(flex, 0, q, 0.5, window)
+    assert out.shape == q.shape
+    torch.testing.assert_close(out, ref.backend.run(ref, 0, q, 0.5, window), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch's compiler
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
+                    reason="compiling flex_attention on a CPU needs a C++ compiler")
+def test_flex_compiled_on_cpu_attends_like_torch_and_reads_the_tile_tables(monkeypatch):
+    """The compiled kernel (the path CUDA takes, here built for the CPU) skips the tiles the
+    tables leave out and runs full tiles without the mask: with the right tables it gives the
+    torch backend's outputs, and tables that call every tile full give something else. Two
+    requests: a short one (its row's later key tiles are skipped) and one of 300 cached tokens
+    and 130 new ones (its first query tile sees its first two key tiles whole)."""
+    import treespec.attention as attention
+
+    tree = Tree([-1, 0, 0, 1])
+    masks = [(tree.attention_mask(), tree.depth), (causal_mask(130), torch.arange(130))]
+    prefixes = [10, 300]
+    cache, seqs = _random_cache(prefixes, masks, 16, False, 0)
+    args = (seqs, prefixes, [m for m, _ in masks], [L + d for L, (_, d) in zip(prefixes, masks)])
+    ref, flex = make_batch(cache, *args, TorchBackend()), make_batch(cache, *args, FlexBackend("cpu", compile=True))
+    q = torch.randn(134, 4, 4, generator=torch.Generator().manual_seed(1))
+    want = ref.backend.run(ref, 0, q, 0.5)
+    torch.testing.assert_close(flex.backend.run(flex, 0, q, 0.5), want, rtol=1e-5, atol=1e-5)
+
+    def all_full(mask, block=attention.FLEX_BLOCK):
+        from torch.nn.attention.flex_attention import BlockMask
+
+        right = flex_block_mask(mask, block)
+        nk = right.kv_indices.shape[-1]
+        count = torch.full_like(right.kv_num_blocks, nk)
+        return BlockMask.from_kv_blocks(torch.zeros_like(count), right.kv_indices, count, right.kv_indices.clone(),
+                                        BLOCK_SIZE=block, mask_mod=right.mask_mod, seq_lengths=right.seq_lengths)
+
+    monkeypatch.setattr(attention, "flex_block_mask", all_full)
+    wrong = make_batch(cache, *args, FlexBackend("cpu", compile=True))
+    assert (wrong.backend.run(wrong, 0, q, 0.5) - want).abs().max() > 0.1
+
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [5, 6], list(range(20, 40))]
+TREES = [Tree([-1, 0, 0, 1, 1, 2, 5], [3, 4, 5, 6, 7, 8, 9]), Tree([-1], [1]), Tree.chain(4, [9, 8, 7, 6, 5])]
 
 
 def _tree_logits(runner, prompts, trees, page_size):
@@ -194,25 +316,76 @@ def _tree_logits(runner, prompts, trees, page_size):
     return [l.float().cpu() for l in out.logits]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flex_tree_logits_equal_torchs_on_cpu(dtype):
+    """On a CPU both backends attend in fp32 over the same fp32 cache (``kv_dtype``), so a bf16
+    model's tree logits differ only where a last-bit difference in attention moves a bf16
+    rounding."""
+    model = tiny_model("llama", 0, peak=1.0).to(dtype)  # logits O(1): atol means something
+    ref = _tree_logits(ModelRunner(model, "torch"), PROMPTS, TREES, 4)
+    flex = _tree_logits(ModelRunner(model, "flex"), PROMPTS, TREES, 4)
+    for r, f in zip(ref, flex):
+        assert r.shape == f.shape
+        torch.testing.assert_close(f, r, rtol=0, atol=1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_flex_greedy_output_equals_torchs_on_cpu():
+    """Through a draft model (its trees grown level by level, the extra_keys route) whose drafts
+    the target accepts: the same tokens through either backend."""
+    model = tiny_model("llama", 0)
+    outs = [treespec.generate(model, ModelDrafter(tiny_model("llama", 0), attention_backend=b), "chain-3",
+                              PROMPTS, max_new_tokens=12, attention_backend=b) for b in ("torch", "flex")]
+    assert outs[0].sequences == outs[1].sequences
+    assert all(len(s) == 12 for s in outs[0].sequences)
+    assert outs[1].metrics.acceptance_counts and outs[1].metrics.acceptance_counts[0] > 0  # drafts accepted
+
+
+# ---- CUDA -----------------------------------------------------------------------------------
+
+def _flashinfer_importable() -> bool:
+    try:
+        import flashinfer  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def cuda_model(seed: int = 0, **kw):
+    """A tiny llama with head dim 64: the smallest that FlashInfer's kernels take (64, 128, 256)
+    and above flex_attention's CUDA minimum (16)."""
+    return tiny_model("llama", seed, hidden=256, heads=4, kv_heads=2, **kw)
+
+
 @pytest.mark.cuda
-@pytest.mark.skipif(not _flashinfer_importable(), reason="needs flashinfer: pip install 'treespec[cuda]'")
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
 @pytest.mark.parametrize("page_size", [4, 16])
-def test_flashinfer_matches_torch_backend_fp16(page_size):
-    model = tiny_model("llama", 0, peak=1.0).to("cuda", torch.float16)  # logits O(1): atol means something
-    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [5, 6], list(range(20, 40))]
-    trees = [Tree([-1, 0, 0, 1, 1, 2, 5], [3, 4, 5, 6, 7, 8, 9]), Tree([-1], [1]), Tree.chain(4, [9, 8, 7, 6, 5])]
-    ref = _tree_logits(ModelRunner(model, "torch"), prompts, trees, page_size)
-    fi = _tree_logits(ModelRunner(model, "flashinfer"), prompts, trees, page_size)
-    for r, f in zip(ref, fi):
+@pytest.mark.parametrize("backend", [
+    pytest.param("flex", marks=pytest.mark.skipif(bool(torch.cuda.is_available() and flex_problem("cuda")),
+                                                  reason=f"flex: {torch.cuda.is_available() and flex_problem('cuda')}")),
+    pytest.param("flashinfer", marks=pytest.mark.skipif(not _flashinfer_importable(),
+                                                        reason="needs flashinfer: pip install 'treespec[cuda]'")),
+])
+def test_backend_matches_torch_backend_on_cuda_fp16(backend, page_size):
+    model = cuda_model(peak=1.0).to("cuda", torch.float16)  # logits O(1): atol means something
+    ref = _tree_logits(ModelRunner(model, "torch"), PROMPTS, TREES, page_size)
+    other = _tree_logits(ModelRunner(model, backend), PROMPTS, TREES, page_size)
+    for r, f in zip(ref, other):
         assert r.shape == f.shape
         assert (r - f).abs().max() < 1e-2
     # Greedy generation agrees between the backends (peaked logits: no fp16 near-ties).
-    peaked = tiny_model("llama", 0).to("cuda", torch.float16)
-    outs = [treespec.generate(peaked, NgramDrafter(), "cpu", prompts, max_new_tokens=16, attention_backend=b).sequences
-            for b in ("torch", "flashinfer")]
+    peaked = cuda_model().to("cuda", torch.float16)
+    outs = [treespec.generate(peaked, NgramDrafter(), "cpu", PROMPTS, max_new_tokens=16, attention_backend=b).sequences
+            for b in ("torch", backend)]
     assert outs[0] == outs[1]
     assert all(len(s) == 16 for s in outs[0])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+def test_flex_on_cuda_refuses_a_head_dim_under_16():
+    model = tiny_model("llama", 0).to("cuda")  # head dim 8
+    with pytest.raises(ValueError, match="head dim of at least 16"):
+        _tree_logits(ModelRunner(model, "flex"), PROMPTS[:1], TREES[:1], 16)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -1,6 +1,10 @@
-"""On a CUDA GPU: greedy equality with HF generate through both attention backends, in fp32
-and (judged in fp32, near-ties allowed) in bf16. Skipped without a GPU; run by
-``benchmarks/figures/gpu_check.sh``. The FlashInfer-vs-torch tree logits test is in test_backends.py."""
+"""On a CUDA GPU: greedy equality with HF generate through every attention backend that runs
+there (torch, flex, and FlashInfer when installed), in fp32 and (judged in fp32, near-ties
+allowed) in bf16. Skipped without a GPU; run by ``benchmarks/figures/gpu_check.sh``. The
+flex-vs-torch and FlashInfer-vs-torch tree logits tests are in test_backends.py.
+
+The models have head dim 64 (hidden 256, 4 heads): FlashInfer's kernels take 64, 128 or 256,
+flex_attention's CUDA kernel 16 or more."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import torch
 
 import treespec
 from tiny import tiny_model
+from treespec.attention import flex_problem
 from treespec.divergence import NEAR_TIE_TOLERANCE, classify_divergence, fp32_reference
 from treespec.drafters import ModelDrafter, NgramDrafter
 
@@ -21,11 +26,18 @@ PROMPTS = [[1, 5, 9, 3, 7, 5, 9], [2, 4, 6, 8, 10, 12, 4, 6], list(range(20, 45)
 
 
 def _backends():
+    names = ["torch"]
+    if torch.cuda.is_available() and flex_problem("cuda") is None:
+        names.append("flex")
     try:
         import flashinfer  # noqa: F401
     except Exception:
-        return ["torch"]
-    return ["torch", "flashinfer"]
+        return names
+    return names + ["flashinfer"]
+
+
+def gpu_model(family: str, seed: int, **kw):
+    return tiny_model(family, seed, hidden=256, heads=4, kv_heads=2, **kw)
 
 
 def hf_greedy(model, prompt, n):
@@ -37,15 +49,15 @@ def hf_greedy(model, prompt, n):
 @pytest.mark.parametrize("backend", _backends())
 @pytest.mark.parametrize("tree", ["chain-3", "cpu", "eagle2"])
 def test_greedy_equals_hf_generate_on_gpu_fp32(backend, tree):
-    model = tiny_model("llama", 1).to("cuda")
-    draft = ModelDrafter(tiny_model("llama", 1).to("cuda"), attention_backend=backend)
+    model = gpu_model("llama", 1).to("cuda")
+    draft = ModelDrafter(gpu_model("llama", 1).to("cuda"), attention_backend=backend)
     out = treespec.generate(model, draft, tree, PROMPTS, max_new_tokens=24, attention_backend=backend)
     assert out.sequences == [hf_greedy(model, p, 24) for p in PROMPTS]
 
 
 @pytest.mark.parametrize("backend", _backends())
 def test_bf16_greedy_on_gpu_has_no_unexplained_difference(backend):
-    model = tiny_model("qwen3", 2).to("cuda", torch.bfloat16)
+    model = gpu_model("qwen3", 2).to("cuda", torch.bfloat16)
     ref32 = fp32_reference(model)
     out = treespec.generate(model, NgramDrafter(), "cpu", PROMPTS, max_new_tokens=24, attention_backend=backend)
     for p, seq in zip(PROMPTS, out.sequences):

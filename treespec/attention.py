@@ -8,6 +8,9 @@ a drafter extends its own tree level by level; ``m_b == n_b`` for verification a
 
 Backends share one interface, ``plan`` once per forward and ``run`` per layer:
     TorchBackend       reference; dense bool mask and SDPA over gathered pages; CPU and GPU.
+    FlexBackend        the torch backend's K/V and mask, attended by PyTorch's flex_attention
+                       with the mask as a BlockMask (compiled through triton on CUDA); CPU and
+                       GPU, no package beyond torch.
     FlashInferBackend  BatchPrefillWithPagedKVCacheWrapper with a custom mask (fa2); CUDA.
 
 The attention function registered with transformers as ``"treespec"`` finds the batch in
@@ -16,7 +19,11 @@ the ``treespec_batch`` keyword that treespec passes to the model's forward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import importlib.util
+import logging
+import warnings
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -25,9 +32,12 @@ from transformers import AttentionInterface
 
 from .kv_cache import PagedKVCache, as_slice
 
-__all__ = ["ForwardBatch", "TorchBackend", "FlashInferBackend", "get_backend", "ATTENTION_NAME", "kv_dtype"]
+__all__ = ["ForwardBatch", "TorchBackend", "FlexBackend", "FlashInferBackend", "get_backend", "ATTENTION_NAME",
+           "kv_dtype", "flex_block_mask"]
 
 ATTENTION_NAME = "treespec"
+
+log = logging.getLogger(__name__)
 
 
 def kv_dtype(dtype: torch.dtype, device) -> torch.dtype:
@@ -180,44 +190,172 @@ class TorchBackend(AttentionBackend):
         )
 
     def run(self, batch, layer, q, scaling, sliding_window=None):
-        p: TorchPlan = batch.plan
-        B, R = len(batch.seqs), p.mask.shape[0]
-        T, H, D = q.shape
         # On a CPU, SDPA in fp32 is faster than in bf16/fp16 (docs/benchmarks.md) and rounds
-        # less; the inputs are small to cast.
+        # less; the inputs are small to cast. The cache keeps fp32 there (``kv_dtype``).
         dtype = torch.float32 if q.device.type == "cpu" else q.dtype
-        if B == 1:  # one request: its tokens are already the padded batch
-            qp = q.to(dtype).transpose(0, 1)[None]  # [1, H, T, D]
-        else:
-            qp = q.new_zeros(R * p.n_max, H, D, dtype=dtype)
-            qp[p.q_index] = q.to(dtype)
-            qp = qp.view(R, p.n_max, H, D).transpose(1, 2)  # [R, H, n_max, D]
+        qp = self._queries(batch, q, dtype)  # [R, H, n_max, D]
+        k, v = self._keys_values(batch, layer, dtype)  # [R, Hkv, kv_max, D]
+        out = self._attend(batch, qp, k, v, scaling, sliding_window).to(q.dtype)  # [R, H, n_max, D]
+        if len(batch.seqs) == 1:
+            return out[0].transpose(0, 1)  # [T, H, D]
+        p: TorchPlan = batch.plan
+        return out.transpose(1, 2).reshape(-1, *q.shape[1:])[p.q_index]
+
+    def _queries(self, batch, q, dtype):
+        """``q`` ``[T, H, D]`` -> ``[R, H, n_max, D]`` in ``dtype``, each request in its row."""
+        p: TorchPlan = batch.plan
+        if len(batch.seqs) == 1:  # one request: its tokens are already the padded batch
+            return q.to(dtype).transpose(0, 1)[None]  # [1, H, T, D]
+        R, (T, H, D) = p.mask.shape[0], q.shape
+        qp = q.new_zeros(R * p.n_max, H, D, dtype=dtype)
+        qp[p.q_index] = q.to(dtype)
+        return qp.view(R, p.n_max, H, D).transpose(1, 2)
+
+    def _keys_values(self, batch, layer, dtype):
+        """Each row's K and V ``[R, Hkv, kv_max, D]`` in ``dtype``: a view of the cache's block
+        of rows, else gathered page by page."""
+        p: TorchPlan = batch.plan
         if p.view is not None:
             first, stride = p.view
+            R, kv_max = p.mask.shape[0], p.mask.shape[-1]
             fk, fv = batch.cache.flat(layer)
             rows = slice(first, first + R * stride)
-            kv_max = p.mask.shape[-1]
             k = fk[rows].view(R, stride, *fk.shape[1:])[:, :kv_max]  # [R, kv_max, Hkv, D], a view
             v = fv[rows].view(R, stride, *fv.shape[1:])[:, :kv_max]
         else:
             k, v = batch.cache.gather(layer, p.gather_slots)  # [B, kv_max, Hkv, D]
             if isinstance(p.gather_slots, slice):
                 k, v = k[None], v[None]
-        k, v = k.transpose(1, 2).to(dtype), v.transpose(1, 2).to(dtype)
-        mask = p.mask
-        if sliding_window is not None:
-            # Same convention as transformers' sliding-window masks: a query at position p
-            # sees keys at positions > p - window.
-            window = (p.query_pos - p.key_pos < sliding_window)[:, None]
-            mask = mask & window
-            mask[..., 0] |= ~mask.any(-1)  # rows left empty are padding-only
-        out = F.scaled_dot_product_attention(
-            qp, k, v, attn_mask=mask, scale=scaling, enable_gqa=k.shape[1] != H
-        ).to(q.dtype)  # [R, H, n_max, D]
-        if B == 1:
-            return out[0].transpose(0, 1)  # [T, H, D]
-        out = out.transpose(1, 2).reshape(R * p.n_max, H, D)
-        return out[p.q_index]
+        return k.transpose(1, 2).to(dtype), v.transpose(1, 2).to(dtype)
+
+    def _attend(self, batch, q, k, v, scaling, sliding_window):
+        """``q`` ``[R, H, n_max, D]``, ``k``/``v`` ``[R, Hkv, kv_max, D]`` -> ``[R, H, n_max, D]``."""
+        mask = layer_mask(batch.plan, sliding_window)
+        gqa = k.shape[1] != q.shape[1]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+
+
+def layer_mask(p: TorchPlan, sliding_window: int | None) -> torch.Tensor:
+    """The plan's mask ``[R, 1, n_max, kv_max]``, narrowed to a layer's sliding window."""
+    if sliding_window is None:
+        return p.mask
+    # Same convention as transformers' sliding-window masks: a query at position p sees
+    # keys at positions > p - window.
+    mask = p.mask & (p.query_pos - p.key_pos < sliding_window)[:, None]
+    mask[..., 0] |= ~mask.any(-1)  # rows left empty are padding-only
+    return mask
+
+
+# ---- flex_attention ---------------------------------------------------------------------------
+
+FLEX_BLOCK = 128  # flex_attention's default sparse block: its kernels' tiles divide it
+
+
+def flex_block_mask(mask: torch.Tensor, block: int = FLEX_BLOCK):
+    """A ``flex_attention`` BlockMask for a dense bool ``mask`` ``[R, n, kv]`` (True = attend),
+    one for every head: tiles of ``block x block`` that no query of the tile sees are skipped,
+    tiles that every query sees whole run without the mask, the rest read ``mask`` through the
+    mask_mod. The tables are what ``create_block_mask`` builds from the same mask, computed with
+    a few tensor operations instead of evaluating the mask_mod at every (query, key)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    R, n, kv = mask.shape
+    nq, nk = -(-n // block), -(-kv // block)
+    padded = F.pad(mask, (0, nk * block - kv, 0, nq * block - n))
+    seen = padded.view(R, nq, block, nk, block).sum((2, 4), dtype=torch.int32)[:, None]  # [R, 1, nq, nk]
+    full = seen == block * block
+    partial = (seen > 0) & ~full
+
+    def ordered(tiles):  # per tile row: how many tiles, and their indices first
+        tiles = tiles.to(torch.int32)
+        order = torch.argsort(tiles, dim=-1, descending=True, stable=True)
+        return tiles.sum(-1, dtype=torch.int32), order.to(torch.int32)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return mask[b, q_idx, kv_idx]
+
+    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=block, mask_mod=mask_mod,
+                                    seq_lengths=(n, kv))
+
+
+@functools.cache
+def _compiled_flex():
+    """flex_attention compiled once per process (triton on CUDA, C++ on a CPU). Shapes vary
+    by forward; torch.compile's automatic dynamic shapes recompile a few times, not per shape
+    (``dynamic=True`` from the start fails to build on a CPU in torch 2.13)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    log.info("flex backend: flex_attention is compiled on the first forwards (seconds each)")
+    return torch.compile(flex_attention)
+
+
+def _flex_eager(q, k, v, **kw):
+    """flex_attention unfused: the scores materialised, as SDPA does; on purpose, so unwarned."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        return flex_attention(q, k, v, **kw)
+
+
+@dataclass
+class FlexPlan(TorchPlan):
+    block_masks: dict = field(default_factory=dict)  # sliding window (None: none) -> BlockMask, built on first use
+
+
+class FlexBackend(TorchBackend):
+    """PyTorch's ``flex_attention`` with the tree as a block mask; needs nothing beyond torch.
+
+    Each request's K/V are read exactly as :class:`TorchBackend` reads them (a view of the
+    cache's block of rows, else a gather of its pages, padded to ``[R, kv_max]``) and its
+    dense mask (prefix fully visible, then the local tree mask) becomes a BlockMask whose
+    mask_mod reads it (:func:`flex_block_mask`): the two backends differ only in the kernel,
+    so the reference tests everything else. A mask over the whole paged cache instead (no
+    gather, the mask_mod mapping each slot to its request and position) would save the
+    gather but make every forward's block mask span the whole cache, with pages of other
+    requests interleaved in each tile; the gather is ``kv_max`` rows of K/V per layer.
+
+    ``compile``: run the compiled kernel (default on CUDA: triton, compiled once per process
+    and again for a few new shape families, seconds each), else the unfused path (default on
+    a CPU: compiling there needs a C++ compiler and about 10 s per shape family).
+    """
+
+    name = "flex"
+
+    def __init__(self, device="cpu", compile: bool | None = None):
+        self.compile = torch.device(device).type == "cuda" if compile is None else compile
+
+    def plan(self, batch: ForwardBatch) -> FlexPlan:
+        return FlexPlan(**vars(super().plan(batch)))
+
+    def _attend(self, batch, q, k, v, scaling, sliding_window):
+        p: FlexPlan = batch.plan
+        block_mask = p.block_masks.get(sliding_window)
+        if block_mask is None:  # once per forward (and window): every layer reuses it
+            block_mask = p.block_masks[sliding_window] = flex_block_mask(layer_mask(p, sliding_window)[:, 0])
+        if self.compile and q.device.type == "cuda" and q.shape[-1] < 16:
+            raise ValueError(f"flex_attention's CUDA kernel needs a head dim of at least 16, this model's is "
+                             f"{q.shape[-1]}: use attention_backend='torch'")
+        attend = _compiled_flex() if self.compile else _flex_eager
+        return attend(q, k, v, block_mask=block_mask, scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def flex_problem(device) -> str | None:
+    """Why ``attention_backend='flex'`` cannot run on ``device`` here, or None."""
+    device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        return f"runs on CPU and CUDA devices, not {device.type}"
+    try:
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
+    except ImportError:
+        return f"needs torch.nn.attention.flex_attention (PyTorch 2.5 or later); this is torch {torch.__version__}"
+    import torch._dynamo as dynamo
+
+    if not dynamo.is_dynamo_supported():
+        return f"needs torch.compile (dynamo), which torch {torch.__version__} does not support on this Python"
+    if device.type == "cuda" and importlib.util.find_spec("triton") is None:
+        return "compiles its CUDA kernel with triton, which is not installed"
+    return None
 
 
 @dataclass
@@ -309,6 +447,11 @@ def get_backend(name: str, device) -> AttentionBackend:
         name = "flashinfer" if device.type == "cuda" and flashinfer_available() else "torch"
     if name == "torch":
         return TorchBackend()
+    if name == "flex":
+        problem = flex_problem(device)
+        if problem:
+            raise ValueError(f"attention_backend='flex' {problem}: use 'torch'")
+        return FlexBackend(device)
     if name == "flashinfer":
         if device.type != "cuda":
             raise ValueError(f"attention_backend='flashinfer' needs a CUDA model, this one is on {device}")
@@ -318,7 +461,7 @@ def get_backend(name: str, device) -> AttentionBackend:
                 "pip install 'treespec[cuda]' (or use 'torch')"
             )
         return FlashInferBackend(device)
-    raise ValueError(f"unknown attention_backend {name!r}: choose 'auto', 'torch' or 'flashinfer'")
+    raise ValueError(f"unknown attention_backend {name!r}: choose 'auto', 'torch', 'flex' or 'flashinfer'")
 
 
 def treespec_attention(

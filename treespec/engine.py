@@ -784,8 +784,8 @@ def generate(
                     (on one machine, dtype and thread count): each position's sample is drawn
                     by the Gumbel-max trick with noise keyed by (seed, position). None: seeds
                     drawn from torch's global generator (``torch.manual_seed`` repeats a run).
-        attention_backend: ``"auto"`` (FlashInfer on CUDA when installed), ``"torch"`` or
-                    ``"flashinfer"``.
+        attention_backend: ``"auto"`` (FlashInfer on CUDA when installed, else torch),
+                    ``"torch"``, ``"flex"`` (PyTorch's flex_attention) or ``"flashinfer"``.
         auto_profile: for an ``auto`` tree (``"auto"``, ``TreeConfig.auto(...)``): the
                     :class:`~treespec.auto.AutoProfile` (cost curve and calibrations) to decide
                     from and keep learning into; pass the same one to later calls to reuse

@@ -57,7 +57,7 @@ class ModelRunner:
 
     Args:
         model:          a transformers causal LM (eval mode).
-        backend:        ``"auto"``, ``"torch"``, ``"flashinfer"`` or a backend object.
+        backend:        ``"auto"``, ``"torch"``, ``"flex"``, ``"flashinfer"`` or a backend object.
         feature_layers: target features to capture: layer indices (the hidden state
                         entering that decoder layer) and/or :data:`FINAL_NORM`; concatenated
                         in the order given.

