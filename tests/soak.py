@@ -3,6 +3,7 @@
     python tests/soak.py                        # 1,000 requests (tens of minutes on 2 cores)
     python tests/soak.py --requests 30          # a quick look
     python tests/soak.py --out benchmarks/results/soak.json
+    python tests/soak.py --requests 60 --prefix-cache-mb 16  # with a shared PrefixCache
 
 SmolLM2-135M-Instruct with its shipped EAGLE-3 head, prompts from the packaged GSM8K test and
 HumanEval sets (one to three questions joined, so prompt lengths vary about tenfold), in
@@ -21,7 +22,12 @@ tree. It checks, and exits 1 when any check fails:
   done), and the largest cache any batch allocated stays within what its requests need;
 - the process's resident memory (RSS) does not grow: RSS after the run is within
   ``--rss-tolerance-mb`` of RSS after the warm-up batches;
-- greedy output still equals HF generate's on a fixed prompt after every injected fault.
+- greedy output still equals HF generate's on a fixed prompt after every injected fault;
+- with ``--prefix-cache-mb``, the prefix cache (shared by every generation of the run; every third
+  batch asks earlier prompts again, each followed by its answer, as a conversation's next turn
+  begins: not longer than the others, so that the RSS check still compares like with like)
+  stays within its budget, its accounting balances (``PrefixCache.check``) and no page stays
+  held after a batch or a fault.
 
 It prints a short summary and, with ``--out``, writes it as JSON.
 """
@@ -123,6 +129,9 @@ def main(argv=None) -> int:
                    help="inject the faults after every N batches (default: %(default)s; 0: never)")
     p.add_argument("--warmup-batches", type=int, default=5, help="batches before the RSS baseline")
     p.add_argument("--rss-tolerance-mb", type=float, default=64.0)
+    p.add_argument("--prefix-cache-mb", type=float, default=0.0,
+                   help="a PrefixCache of this many MB shared by every generation (default: none, as the "
+                        "documented 1,000-request run had; tests/test_soak.py gives 4)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="write the summary as JSON here")
@@ -151,6 +160,8 @@ def main(argv=None) -> int:
                                do_sample=False)[0, len(probe):].tolist()
 
     failures: list[str] = []
+    pcache = treespec.PrefixCache(max_bytes=int(args.prefix_cache_mb * 2**20)) if args.prefix_cache_mb > 0 else None
+    history: list[list[int]] = []  # earlier prompts, each followed by its answer: how next turns begin
 
     def check(ok: bool, what: str):
         if not ok:
@@ -162,27 +173,35 @@ def main(argv=None) -> int:
               f"{where}: attention implementation is {model.config._attn_implementation!r}, not {attn!r}")
         gc.collect()
         check(len(LIVE_CACHES) == 0, f"{where}: {len(LIVE_CACHES)} KV cache(s) still alive")
+        if pcache is not None:
+            try:
+                pcache.check()
+            except AssertionError as err:
+                check(False, f"{where}: the prefix cache's accounting does not balance: {err}")
+            held = pcache.stats()["pages_in_use"]
+            check(held == 0, f"{where}: {held} prefix cache page(s) still held")
 
     def inject_faults(where: str) -> dict:
         counts = {"exception": 0, "interrupt_inside": 0, "interrupt_consumer": 0}
         batch = prompts[:2]
         try:  # an exception from inside the target's forward, in the middle of a generation
             with FaultyForward(InjectedFault("injected")):
-                treespec.generate(model, draft, "chain-2", batch, max_new_tokens=16)
+                treespec.generate(model, draft, "chain-2", batch, max_new_tokens=16, prefix_cache=pcache)
             check(False, f"{where}: the injected exception did not surface")
         except InjectedFault:
             counts["exception"] += 1
         check_clean(f"{where}, after an exception mid-generation")
         try:  # Ctrl-C arriving during a forward inside a stream
             with FaultyForward(KeyboardInterrupt()):
-                for _ in treespec.stream(model, draft, "cpu-tiny", batch, max_new_tokens=16, temperature=0.7, seed=1):
+                for _ in treespec.stream(model, draft, "cpu-tiny", batch, max_new_tokens=16, temperature=0.7, seed=1,
+                                         prefix_cache=pcache):
                     pass
             check(False, f"{where}: the injected KeyboardInterrupt did not surface")
         except KeyboardInterrupt:
             counts["interrupt_inside"] += 1
         check_clean(f"{where}, after a KeyboardInterrupt inside a stream")
         try:  # Ctrl-C in the code reading the stream, between two steps
-            steps = treespec.stream(model, draft, "chain-2", batch, max_new_tokens=16)
+            steps = treespec.stream(model, draft, "chain-2", batch, max_new_tokens=16, prefix_cache=pcache)
             for i, _ in enumerate(steps):
                 if i == 1:
                     raise KeyboardInterrupt
@@ -196,7 +215,7 @@ def main(argv=None) -> int:
 
     faults = {"exception": 0, "interrupt_inside": 0, "interrupt_consumer": 0}
     rss = []
-    done = batches = generated = greedy = sampled = 0
+    done = batches = generated = greedy = sampled = hit_tokens = 0
     cache_peak = {"bytes": 0}
     real_new_cache = ts_runner.ModelRunner.new_cache
 
@@ -220,11 +239,15 @@ def main(argv=None) -> int:
         while done < args.requests:
             n = min(rng.randint(1, args.max_batch), args.requests - done)
             batch = prompts[done:done + n]
+            if pcache is not None and history and batches % 3 == 2:  # next turns of earlier conversations
+                batch = [rng.choice(history) for _ in batch]
             max_new = rng.randint(args.min_new, args.max_new)
             tree = rng.choice(TREES)
             sample = rng.random() < 0.5
             kw = dict(temperature=0.7, top_p=0.9, seed=rng.randrange(2**31)) if sample else {}
-            out = treespec.generate(model, draft, tree, batch, max_new_tokens=max_new, **kw)
+            out = treespec.generate(model, draft, tree, batch, max_new_tokens=max_new, prefix_cache=pcache, **kw)
+            history = (history + [p + s for p, s in zip(batch, out.sequences)])[-20:]
+            hit_tokens += out.metrics.hit_tokens
             check(len(out.sequences) == n, f"batch {batches}: {len(out.sequences)} outputs for {n} requests")
             for i, (seq, m) in enumerate(zip(out.sequences, out.metrics.requests)):
                 ended = len(seq) == max_new or (0 < len(seq) < max_new and seq[-1] in eos)
@@ -272,6 +295,7 @@ def main(argv=None) -> int:
                    "max": round(max(rss), 1), "end": round(rss_end, 1), "growth_after_warmup": round(growth, 1)},
         "kv_cache": {"largest_bytes": cache_peak["bytes"], "bound_bytes": cache_peak.get("bound", 0),
                      "alive_after_run": len(LIVE_CACHES)},
+        "prefix_cache": None if pcache is None else {**pcache.stats(), "hit_tokens_in_batches": hit_tokens},
         "attn_implementation": {"expected": attn, "end": model.config._attn_implementation},
         "threads": torch.get_num_threads(), "torch": torch.__version__,
         "failures": failures,
@@ -283,6 +307,10 @@ def main(argv=None) -> int:
     print(f"RSS: {rss_start:.0f} MB before, {baseline:.0f} MB after warm-up, max {max(rss):.0f}, end {rss_end:.0f} "
           f"({growth:+.0f} MB); largest KV cache {cache_peak['bytes'] / 2**20:.1f} MB; "
           f"attention implementation {model.config._attn_implementation!r} (expected {attn!r})")
+    if pcache is not None:
+        st = pcache.stats()
+        print(f"prefix cache: {st['bytes'] / 2**20:.1f} of {st['max_bytes'] / 2**20:.1f} MB, {st['pages']} pages; "
+              f"{hit_tokens} prompt tokens served in batches, {st['evicted_pages']} pages evicted")
     print("soak: " + ("PASS" if not failures else f"FAIL ({len(failures)} check(s); first: {failures[0]})"))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -27,6 +27,7 @@ _EXPORTS = {
     "SamplingParams": ".sampling",
     "load_draft": ".drafters.eagle",
     "AutoProfile": ".auto",
+    "PrefixCache": ".prefix_cache",
     "TreespecWarning": ".warn",
     "custom_generate": ".dropin",
 }
@@ -34,7 +35,7 @@ _EXPORTS = {
 __all__ = [
     "Tree", "TreeConfig", "PRESETS", "Preset", "pack_mask", "unpack_mask", "generate", "stream",
     "GenerateOutput", "SpecMetrics", "RequestMetrics", "StepOutput", "SamplingParams", "load_draft",
-    "AutoProfile", "custom_generate", "TreespecWarning",
+    "AutoProfile", "PrefixCache", "custom_generate", "TreespecWarning",
 ]
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
     from .dropin import custom_generate
     from .engine import GenerateOutput, RequestMetrics, SpecMetrics, StepOutput, generate, stream
     from .mask import pack_mask, unpack_mask
+    from .prefix_cache import PrefixCache
     from .sampling import SamplingParams
     from .tree import Tree
     from .warn import TreespecWarning

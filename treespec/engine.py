@@ -31,6 +31,7 @@ from .auto import AutoController, AutoProfile
 from .config import TreeConfig
 from .drafters.base import DraftStart, Drafter
 from .mask import causal_mask
+from .prefix_cache import PrefixCache, PrefixUse
 from .runner import ModelRunner
 from .constraints import DraftRules
 from .processing import NodeProcessor, RequestDecoding, exact_generation_config, resolve_generation_config
@@ -49,11 +50,19 @@ class RequestMetrics:
     num_steps: int = 0  # verify forwards this request took part in
     num_generated: int = 0  # tokens generated (prefill's first token included)
     accepted: list[int] = field(default_factory=list)  # drafted tokens accepted per step
+    prompt_tokens: int = 0
+    hit_tokens: int = 0  # prompt tokens whose K/V (and draft state) a PrefixCache supplied, not recomputed
+    first_token_seconds: float = 0.0  # time to first token: from decoding's start through prefill (batch-wide)
 
     @property
     def mean_accepted_length(self) -> float:
         """Tokens committed per verify forward, the bonus included (tau)."""
         return (sum(self.accepted) + len(self.accepted)) / max(len(self.accepted), 1)
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Prompt tokens the prefill ran through the target: the prompt less the cache's hit."""
+        return self.prompt_tokens - self.hit_tokens
 
 
 @dataclass
@@ -109,10 +118,25 @@ class SpecMetrics:
         """Drafted nodes verified per request-step (what an ``auto`` tree chose)."""
         return sum(self.tree_sizes) / max(len(self.tree_sizes), 1)
 
-    def record_first_tokens(self) -> None:
-        """Prefill produced each request's first token."""
-        for r in self.requests:
+    @property
+    def hit_tokens(self) -> int:
+        """Prompt tokens a PrefixCache supplied (their prefill was not run): the prefill work
+        the cache saved, in tokens. Its time is not measured here (it would take the prefill
+        run both ways; ``benchmarks/micro/prefix_cache.py`` does)."""
+        return sum(r.hit_tokens for r in self.requests)
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Prompt tokens run through the target at prefill."""
+        return sum(r.prefill_tokens for r in self.requests)
+
+    def record_first_tokens(self, hits: Sequence[int], seconds: float) -> None:
+        """Prefill produced each request's first token, ``seconds`` after decoding began;
+        ``hits[b]``: request b's prompt tokens that came from a prefix cache."""
+        for r, hit in zip(self.requests, hits):
             r.num_generated = 1
+            r.hit_tokens = hit
+            r.first_token_seconds = seconds
         self.num_generated = len(self.requests)
 
     def record_step(self, requests: Sequence[int], trees: Sequence[Tree], tokens: Sequence[list[int]]) -> None:
@@ -146,6 +170,8 @@ class SpecMetrics:
             "tokens_per_second": self.tokens_per_second,
             "decode_tokens_per_second": self.decode_tokens_per_second,
             "mean_tree_size": self.mean_tree_size,
+            "prefill_tokens": self.prefill_tokens,
+            "hit_tokens": self.hit_tokens,
         }
 
 
@@ -370,6 +396,7 @@ def stream(
     tokenizer=None,
     output_scores: bool = False,
     allow_past_context: bool = False,
+    prefix_cache: PrefixCache | None = None,
     **options,
 ) -> Iterator[StepOutput]:
     """Decode with tree speculation, yielding the tokens each step commits.
@@ -387,14 +414,15 @@ def stream(
     """
     run, max_new = _checked_run(model, draft, tree_cfg, input_ids, max_new_tokens, temperature, top_k, top_p, min_p,
                                 seed, eos_token_id, attention_backend, auto_profile, generation_config,
-                                logits_processor, tokenizer, allow_past_context, options)
+                                logits_processor, tokenizer, allow_past_context, options, prefix_cache, page_size)
     output_scores = output_scores or bool(getattr(generation_config, "output_scores", False))
-    yield from _loop(*run, max_new=max_new, page_size=page_size, auto_profile=auto_profile, output_scores=output_scores)
+    yield from _loop(*run, max_new=max_new, page_size=page_size, auto_profile=auto_profile, output_scores=output_scores,
+                     prefix_cache=prefix_cache)
 
 
 def _checked_run(model, draft, tree_cfg, input_ids, max_new_tokens, temperature, top_k, top_p, min_p, seed,
                  eos_token_id, attention_backend, auto_profile, generation_config, logits_processor, tokenizer,
-                 allow_past_context: bool, options: dict):
+                 allow_past_context: bool, options: dict, prefix_cache=None, page_size: int = 16):
     """Every argument check of :func:`stream`, in the order a user meets them; returns what
     the loop runs on, ``(runner, drafter, cfg, prompts, decodings, eos)``, and the token budget."""
     if generation_config is not None and not isinstance(generation_config, GenerationConfig):
@@ -430,7 +458,30 @@ def _checked_run(model, draft, tree_cfg, input_ids, max_new_tokens, temperature,
     _check_context(prompts, max_new_tokens, runner.max_positions, allow_past_context)
     if auto_profile is not None and not isinstance(auto_profile, AutoProfile):
         raise ValueError(f"auto_profile must be a treespec.AutoProfile, got {type(auto_profile).__name__}")
+    if prefix_cache is not None:
+        _check_prefix_cache(prefix_cache, model, drafter, runner, page_size)
     return (runner, drafter, cfg, prompts, decodings, eos), max_new_tokens
+
+
+def _check_prefix_cache(cache, model, drafter: Drafter, runner: ModelRunner, page_size: int) -> None:
+    """Binds ``cache`` to the model (a ValueError when it serves another); warns when the
+    drafter makes its hits unusable."""
+    if not isinstance(cache, PrefixCache):
+        raise ValueError(f"prefix_cache must be a treespec.PrefixCache, got {type(cache).__name__}")
+    cache.bind(model, page_size, runner.kv_layout())
+    if runner.feature_layers and drafter.prefix_key(model) is None:
+        warn(f"prefix_cache serves no hits with {type(drafter).__name__}: it reads the target's features and "
+             "cannot start from a cached prefix (it defines no prefix_key), so every prompt is prefilled whole; "
+             "requests are still filed")
+
+
+def _prefix_use(cache: PrefixCache | None, runner: ModelRunner, drafter: Drafter) -> PrefixUse:
+    """This generation's use of ``cache`` (None: hits of 0, nothing filed)."""
+    if cache is None:
+        return PrefixUse(None)
+    key = drafter.prefix_key(runner.model)
+    features = bool(runner.feature_layers)
+    return PrefixUse(cache, key, lookup=key is not None or not features, features=features)
 
 
 def _check_context(prompts: list[list[int]], max_new: int, max_pos: int | None, allow: bool) -> None:
@@ -546,34 +597,34 @@ class _StepTimer:
 
 def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts: list[list[int]],
           decodings: list[RequestDecoding], eos: set[int], *, max_new: int, page_size: int,
-          auto_profile: AutoProfile | None = None, output_scores: bool = False) -> Iterator[StepOutput]:
+          auto_profile: AutoProfile | None = None, output_scores: bool = False,
+          prefix_cache: PrefixCache | None = None) -> Iterator[StepOutput]:
     B = len(prompts)
-    metrics = SpecMetrics(requests=[RequestMetrics() for _ in range(B)])
+    metrics = SpecMetrics(requests=[RequestMetrics(prompt_tokens=len(p)) for p in prompts])
     watch = _AcceptanceWatch(drafter)
     # Nodes per step: the tree's, plus what the drafter grafts on top (prompt lookup).
     max_nodes = cfg.num_nodes + drafter.extra_nodes
-    with runner.attached():
+    with runner.attached(), contextlib.closing(_prefix_use(prefix_cache, runner, drafter)) as prefixes:
         auto = _controller(runner, drafter, cfg, decodings[0].greedy, B, max_nodes, auto_profile)
         timer = _StepTimer(metrics)
         # One row of the cache per request, each long enough for the longest: a batch's K/V
         # are then read as a view of the cache, not gathered (PagedKVCache.add_sequences).
         cache, seqs = runner.new_rows_cache(B, max(len(p) for p in prompts) + max_new + max_nodes + 1, page_size)
         with timer("prefill"):
-            first, features, scores = _prefill(runner, cache, seqs, prompts, decodings, output_scores)
+            first, features, scores = _prefill(runner, cache, seqs, prompts, decodings, output_scores, prefixes)
         ends = functools.partial(_first_end, decodings, eos)  # (b, history, new) -> index of the first end
         generated = [[t] for t in first]
         done = [ends(b, p, [t]) is not None or max_new == 1 for b, (p, t) in enumerate(zip(prompts, first))]
         sequences = [p + [t] for p, t in zip(prompts, first)]  # what the processors and stop strings read
         rules = [DraftRules.from_processors(d.processor.processors, s) for d, s in zip(decodings, sequences)]
-        metrics.record_first_tokens()
-        yield StepOutput(0, [[t] for t in first], list(done), timer.total(), scores)
+        metrics.record_first_tokens(prefixes.hits, timer.total().total_seconds)
+        yield StepOutput(0, [[t] for t in first], list(done), metrics, scores)
         with timer("draft"):
             session = drafter.start(runner.model, DraftStart(
-                prompts=[list(p) for p in prompts], first_tokens=first, features=features,
-                max_new_tokens=max_new, tree_cfg=cfg, stop=auto.stop, candidates=auto.candidates, rules=rules))
-            for b in range(B):
-                if done[b]:
-                    session.finish(b)
+                prompts=[list(p) for p in prompts], first_tokens=first, features=features, max_new_tokens=max_new,
+                tree_cfg=cfg, stop=auto.stop, candidates=auto.candidates, rules=rules,
+                prefix=prefixes.draft_prefixes()))
+            _finish([b for b in range(B) if done[b]], session, prefixes, cache, seqs, sequences)
 
         step = 0
         while not all(done):
@@ -589,15 +640,13 @@ def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts: list[
                                            [sequences[b] for b in active], output_scores)
                 tokens, kept, scores = _commit(verdicts, out.features, active, cache, seqs, sequences, generated, done,
                                                ends, max_new, scores)
+                prefixes.record(active, prefix, kept)
                 auto.learn(trees, [v.path for v in verdicts])
                 metrics.record_step(active, trees, tokens)
                 watch.record(trees, sum(len(t) - 1 for t in tokens))
             with timer("draft"):
                 session.commit(active, tokens, kept)
-                for b in active:
-                    if done[b]:
-                        session.finish(b)
-                        cache.free_sequence(seqs[b])
+                _finish([b for b in active if done[b]], session, prefixes, cache, seqs, sequences)
             auto.end_step(sum(t.num_nodes for t in trees), timer.since("verify"))
             yield StepOutput(step, _by_request(tokens, active, B), list(done), timer.total(),
                              _by_request(scores, active, B, idle=lambda: torch.empty(0, runner.vocab_size)))
@@ -605,21 +654,36 @@ def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts: list[
 
 
 def _prefill(runner: ModelRunner, cache, seqs: list[int], prompts: list[list[int]],
-             decodings: list[RequestDecoding], keep_scores: bool):
-    """Each whole prompt through the target, its K/V committed; returns each request's first
-    token (picked from the prompt's last logits), the prompt's target features (``[L_b, F]``,
-    None when the drafter reads none) and, with ``keep_scores``, the processed logits the first
-    tokens came from (``[1, V]`` each; else None)."""
+             decodings: list[RequestDecoding], keep_scores: bool, prefixes: PrefixUse):
+    """Each prompt through the target, its K/V committed: first each prompt's prefix cache hit
+    (``h_b`` tokens) is copied into its row, then the rest runs in one forward, its positions
+    from ``h_b`` on. Returns each request's first token (picked from the prompt's last logits),
+    the target features of the positions run (``[L_b - h_b, F]``, None when the drafter reads
+    none) and, with ``keep_scores``, the processed logits the first tokens came from (``[1, V]``
+    each; else None)."""
+    hits = prefixes.load(cache, seqs, prompts)
+    rest = [p[h:] for p, h in zip(prompts, hits)]
     out = runner.forward(
-        cache, seqs, [torch.tensor(p) for p in prompts], [torch.arange(len(p)) for p in prompts],
-        [causal_mask(len(p)) for p in prompts], logits_rows=[[len(p) - 1] for p in prompts],
+        cache, seqs, [torch.tensor(r) for r in rest], [torch.arange(h, h + len(r)) for r, h in zip(rest, hits)],
+        [causal_mask(len(r)) for r in rest], logits_rows=[[len(r) - 1] for r in rest],
         capture=bool(runner.feature_layers),
     )
-    for s, p in zip(seqs, prompts):
-        cache.commit(s, torch.arange(len(p)))
+    for s, p, h in zip(seqs, prompts, hits):
+        cache.commit(s, torch.arange(h, len(p)))
+    prefixes.record(range(len(seqs)), hits, out.features)
     scores = [d.scores(p, logits) for d, p, logits in zip(decodings, prompts, out.logits)]
     first = [int(d.pick(x, len(p))[0]) for d, p, x in zip(decodings, prompts, scores)]
     return first, out.features, ([x.float() for x in scores] if keep_scores else None)
+
+
+def _finish(requests: list[int], session, prefixes: PrefixUse, cache, seqs: list[int],
+            sequences: list[list[int]]) -> None:
+    """Requests that ended: filed in the prefix cache (their committed pages, with the
+    drafter's rows), then their draft state and K/V let go."""
+    for b in requests:
+        prefixes.file(b, cache, seqs[b], sequences[b], functools.partial(session.prefix_state, b))
+        session.finish(b)
+        cache.free_sequence(seqs[b])
 
 
 def _budgets(active: list[int], prefix: list[int], generated: list[list[int]], cache, seqs: list[int],
@@ -759,6 +823,7 @@ def generate(
     tokenizer=None,
     output_scores: bool = False,
     allow_past_context: bool = False,
+    prefix_cache: PrefixCache | None = None,
     **options,
 ) -> GenerateOutput:
     """Generate with tree speculation; same output as ``model`` alone.
@@ -810,6 +875,12 @@ def generate(
                     raises a ValueError, and one whose answer may run past it warns
                     (:class:`~treespec.warn.TreespecWarning`); True generates past it silently
                     (the model was not trained there: the text degrades).
+        prefix_cache: a :class:`~treespec.PrefixCache` kept across calls: each prompt's longest
+                    cached prefix (whole pages, one token short of the prompt at least) is
+                    copied instead of recomputed, for the target and the drafter, and each
+                    request's prompt and output are filed when it ends. The output is the same
+                    with or without it; ``RequestMetrics.hit_tokens`` counts what it served
+                    (docs/runtime.md, "Prefix caching").
         **options:  fields of ``GenerationConfig`` (``repetition_penalty=1.1``,
                     ``no_repeat_ngram_size=4``, ``min_new_tokens``, ``bad_words_ids``,
                     ``sequence_bias``, ``suppress_tokens``, ``typical_p``, ...): exactly those
@@ -828,7 +899,7 @@ def generate(
         top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, eos_token_id=eos_token_id,
         attention_backend=attention_backend, auto_profile=auto_profile, generation_config=generation_config,
         logits_processor=logits_processor, tokenizer=tokenizer, output_scores=output_scores,
-        allow_past_context=allow_past_context, **options,
+        allow_past_context=allow_past_context, prefix_cache=prefix_cache, **options,
     ):
         for s, t in zip(seqs, out.tokens):
             s.extend(t)

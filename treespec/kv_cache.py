@@ -12,6 +12,10 @@ A step's life cycle for one sequence of committed length L:
     commit(seq, keep)    move the KV of the accepted nodes (logical positions ``keep``) to
                          L .. L+len(keep)-1; later slots are free again, whole pages go back
                          to the pool. Nothing of the prefix is ever recomputed.
+
+Across calls (prefix caching, :mod:`treespec.prefix_cache`): ``read(seq, start, end)`` copies
+committed K/V out as ``[n, 2, layers, Hkv, D]`` and ``load(seq, kv)`` commits such a copy as
+the first positions of an empty sequence.
 """
 
 from __future__ import annotations
@@ -180,6 +184,31 @@ class PagedKVCache:
         """K and V at flat ``slots`` (any shape of int64 indices; a slice gives views)."""
         fk, fv = self.flat(layer)
         return fk[slots], fv[slots]
+
+    def read(self, seq: int, start: int, end: int) -> torch.Tensor:
+        """A copy of the K/V at logical positions ``start .. end-1`` of ``seq``:
+        ``[end - start, 2, num_layers, Hkv, D]`` (index 0 of dim 1 is K, 1 is V)."""
+        if not 0 <= start <= end <= self.seq_lens[seq]:
+            raise ValueError(f"positions {start}..{end} are not committed in sequence {seq} "
+                             f"(length {self.seq_lens[seq]})")
+        slots = as_slice(self.span(seq, start, end))
+        return torch.stack([torch.stack(self.gather(layer, slots), 1) for layer in range(len(self.k))], 2)
+
+    def load(self, seq: int, kv: torch.Tensor) -> None:
+        """Commit ``kv`` ``[n, 2, num_layers, Hkv, D]`` (as :meth:`read` gives it) as positions
+        ``0 .. n-1`` of the empty sequence ``seq``."""
+        if self.seq_lens[seq]:
+            raise ValueError(f"load needs an empty sequence; sequence {seq} holds {self.seq_lens[seq]} tokens")
+        want = (2, len(self.k), *self.k[0].shape[2:])
+        if kv.dim() != 5 or tuple(kv.shape[1:]) != want:
+            raise ValueError(f"K/V of shape {tuple(kv.shape)} do not fit this cache: "
+                             f"expected [n, {', '.join(map(str, want))}]")
+        n = kv.shape[0]
+        self.reserve(seq, n)
+        slots = as_slice(self.span(seq, 0, n))
+        for layer in range(len(self.k)):
+            self.write(layer, slots, kv[:, 0, layer], kv[:, 1, layer])
+        self.seq_lens[seq] = n
 
     def commit(self, seq: int, keep: torch.Tensor) -> None:
         """Keep the KV at logical positions ``keep`` (ascending, all >= the committed

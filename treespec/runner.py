@@ -92,6 +92,12 @@ class ModelRunner:
         return PagedKVCache.with_rows(self.num_layers, self.num_kv_heads, self.head_dim, count, tokens, page_size,
                                       kv_dtype(self.dtype, self.device), self.device)
 
+    def kv_layout(self) -> dict:
+        """What K/V computed elsewhere must match to be reused here (prefix caching): shapes,
+        the model's dtype, the cache's dtype and the device."""
+        return dict(layers=self.num_layers, kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                    dtype=str(self.dtype), kv_dtype=str(kv_dtype(self.dtype, self.device)), device=str(self.device))
+
     @contextlib.contextmanager
     def attached(self):
         """Switch the model to treespec attention; restore its implementation on exit."""

@@ -12,6 +12,13 @@ Feature convention (EAGLE): ``features[b][i]`` is the target's state at the posi
 *next* token is ``tokens[b][i]``: at start, the prompt's positions paired with
 ``prompt[1:] + [first_token]``; at commit, the root and accepted nodes paired with the
 accepted tokens and the bonus.
+
+Prefix caching (:mod:`treespec.prefix_cache`): a drafter whose state across a prompt can be
+filed and read back names it with :meth:`Drafter.prefix_key`; its session then gives its rows
+(:meth:`DraftSession.prefix_state`) when a request ends, and starts a request that hit the
+cache from ``DraftStart.prefix[b]`` instead of the whole prompt. Row t of a drafter's state may
+depend only on tokens <= t: an EAGLE head files its entry i (token i+1 with the features at i)
+as row i+1. A drafter without a key starts from ``DraftStart.prompts`` as always.
 """
 
 from __future__ import annotations
@@ -24,12 +31,13 @@ import torch
 
 from ..config import TreeConfig
 from ..constraints import DraftRules, draft_constrain
+from ..prefix_cache import DraftPrefix
 from ..tree import Tree
 
 if TYPE_CHECKING:
     from ..auto import AutoProfile
 
-__all__ = ["Drafter", "DraftSession", "DraftStart", "check_vocab"]
+__all__ = ["Drafter", "DraftSession", "DraftStart", "DraftPrefix", "check_vocab"]
 
 
 @dataclass
@@ -39,8 +47,9 @@ class DraftStart:
     Attributes:
         prompts:      token ids per request.
         first_tokens: the token the target produced after each prompt (the first root).
-        features:     per request ``[L_b, F]`` target features (see module docstring), or
-                      None when the drafter reads none.
+        features:     per request ``[L_b - n_b, F]`` target features at positions
+                      ``n_b .. L_b-1`` (see module docstring; ``n_b`` is ``prefix[b].length``,
+                      0 without a hit), or None when the drafter reads none.
         max_new_tokens: the generation budget, for sizing the draft's own cache.
         tree_cfg:     the tree configuration of this generation.
         stop:         for dynamic trees, the builder's early-stop rule
@@ -52,6 +61,11 @@ class DraftStart:
                       (:class:`treespec.constraints.DraftRules`, None: nothing), for the
                       builder to mask before each top-k; or None. The engine prunes what a
                       drafter proposes against the same rules, so using them is optional.
+        prefix:       for a drafter with a :meth:`Drafter.prefix_key`, per request its start
+                      from a prefix cache hit (:class:`~treespec.prefix_cache.DraftPrefix`:
+                      the hit's length n, the drafter's rows for tokens ``0 .. n-1``, the target
+                      features at n-1), or None (no hit); None for other drafters, and without
+                      a prefix cache.
     """
 
     prompts: list[list[int]]
@@ -62,6 +76,7 @@ class DraftStart:
     stop: Callable[[int, torch.Tensor, torch.Tensor], bool] | None = None
     candidates: Callable[[Sequence[Tree]], None] | None = None
     rules: Sequence[DraftRules | None] | None = None
+    prefix: Sequence[DraftPrefix | None] | None = None
 
     def constrain_for(self, requests: Sequence[int], to_target: Callable | None = None,
                       to_draft: torch.Tensor | None = None):
@@ -84,6 +99,13 @@ class DraftSession(ABC):
     def finish(self, request: int) -> None:
         """Request ``request`` is done; its state may be dropped."""
 
+    def prefix_state(self, request: int, start: int) -> dict[str, torch.Tensor] | None:
+        """For a prefix cache, before :meth:`finish`: this drafter's rows for ``request``'s
+        committed tokens from ``start`` on (name -> ``[R, ...]``, row ``t - start`` for token t,
+        depending only on tokens <= t), as it reads them back from ``DraftStart.prefix``; fewer
+        rows than tokens is allowed. None (the default): nothing to file."""
+        return None
+
 
 class Drafter(ABC):
     #: target features this drafter reads (runner feature ids), or None.
@@ -104,6 +126,15 @@ class Drafter(ABC):
 
     def features_for(self, model) -> tuple[int, ...] | None:
         return self.feature_layers
+
+    def prefix_key(self, model) -> tuple | None:
+        """What a prefix cache files this drafter's state under: ``(owner, *details)``, the
+        owner (the module whose state it is) compared by identity, the details (dtype, device,
+        ...) by equality; a drafter with a key reads ``DraftStart.prefix`` and files its rows
+        with :meth:`DraftSession.prefix_state`. None (the default): the drafter keeps no state
+        to reuse and starts from ``DraftStart.prompts`` (a drafter that also reads target
+        features then gets no hits: its features would be missing for the cached part)."""
+        return None
 
     def modules(self) -> tuple[torch.nn.Module, ...]:
         """The torch modules this drafter runs (for whole-model transforms such as

@@ -402,6 +402,10 @@ class EagleDrafter(Drafter):
         if self.head._embed[0] is not model.get_input_embeddings():
             raise ValueError("this EAGLE head was loaded for another target model: load it with this target")
 
+    def prefix_key(self, model):
+        p = next(self.head.parameters())
+        return (self.head, "eagle", str(p.dtype), str(p.device), self.features_for(model))
+
     def start(self, model, ctx: DraftStart) -> "EagleSession":
         if ctx.features is None:
             raise RuntimeError("EAGLE drafters need target features")
@@ -457,8 +461,19 @@ class EagleSession(DraftSession):
                                                       self.device)
         self.root_logp: dict[int, torch.Tensor] = {}
         self.root_state: dict[int, torch.Tensor] = {}
-        tokens = [pr[1:] + [t] for pr, t in zip(ctx.prompts, ctx.first_tokens)]
-        self._extend(list(range(len(ctx.prompts))), tokens, ctx.features)
+        tokens, features = [], []
+        for r, (pr, t, f) in enumerate(zip(ctx.prompts, ctx.first_tokens, ctx.features)):
+            hit = ctx.prefix[r] if ctx.prefix is not None else None
+            if hit is None:
+                tokens.append(pr[1:] + [t])
+                features.append(f)
+                continue
+            # Entries 0..n-2 from the cache (row t holds entry t-1); entry n-1 pairs the
+            # feature kept at n-1 with the first uncached token, as without the cache.
+            self.cache.load(self.seq[r], hit.rows["kv"][1: hit.length])
+            tokens.append(pr[hit.length:] + [t])
+            features.append(torch.cat([hit.feature[None].to(f), f]))
+        self._extend(list(range(len(ctx.prompts))), tokens, features)
 
     @torch.inference_mode()
     def _run(self, requests, tokens, hidden, positions, masks, extra_keys=None):
@@ -538,6 +553,16 @@ class EagleSession(DraftSession):
 
     def commit(self, requests, tokens, features):
         self._extend(list(requests), [list(t) for t in tokens], features)
+
+    def prefix_state(self, request, start):
+        """Row t: the head's entry t-1 (``kv`` ``[2, 1, Hkv, D]``), the entry that pairs
+        position t-1 with token t, so a page's rows hold for whatever follows the page; row 0
+        is empty."""
+        s = self.seq[request]
+        entries = self.cache.read(s, max(start - 1, 0), max(self.cache.seq_lens[s] - 1, 0))
+        if start == 0:
+            entries = torch.cat([entries.new_zeros((1, *entries.shape[1:])), entries])
+        return {"kv": entries}
 
     def finish(self, request):
         self.cache.free_sequence(self.seq[request])

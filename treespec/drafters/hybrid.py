@@ -103,6 +103,9 @@ class HybridDrafter(Drafter):
     def features_for(self, model):
         return self.primary.features_for(model)
 
+    def prefix_key(self, model):
+        return self.primary.prefix_key(model)  # prompt lookup reads the tokens: nothing to keep
+
     def start(self, model, ctx: DraftStart) -> "HybridSession":
         return HybridSession(self.primary.start(model, ctx), self.lookup.start(model, ctx), ctx.candidates)
 
@@ -126,6 +129,9 @@ class HybridSession(DraftSession):
     def commit(self, requests, tokens, features) -> None:
         self.primary.commit(requests, tokens, features)
         self.lookup.commit(requests, tokens, None)
+
+    def prefix_state(self, request: int, start: int):
+        return self.primary.prefix_state(request, start)
 
     def finish(self, request: int) -> None:
         self.primary.finish(request)

@@ -50,6 +50,10 @@ class ModelDrafter(Drafter):
             f"the draft model {type(self.model).__name__}",
         )
 
+    def prefix_key(self, model):
+        p = next(self.model.parameters())
+        return (self.model, "model", str(p.dtype), str(p.device))
+
     def start(self, model, ctx: DraftStart) -> "ModelDraftSession":
         return ModelDraftSession(self, ctx)
 
@@ -67,8 +71,14 @@ class ModelDraftSession(DraftSession):
         longest = max(len(p) for p in ctx.prompts) + ctx.max_new_tokens + room
         self.cache, self.seq = self.runner.new_rows_cache(len(ctx.prompts), longest, drafter.page_size)
         self.pending = [[t] for t in ctx.first_tokens]  # committed, not yet in the draft cache
+        hits = [0] * len(ctx.prompts)
+        for r, hit in enumerate(ctx.prefix or []):
+            if hit is not None:  # a prefix cache hit: the draft model's K/V of its tokens
+                self.cache.load(self.seq[r], hit.rows["kv"])
+                hits[r] = hit.length
         with self.runner.attached():
-            self._run_causal(list(range(len(ctx.prompts))), [list(p) for p in ctx.prompts], logits=False)
+            self._run_causal(list(range(len(ctx.prompts))), [list(p[n:]) for p, n in zip(ctx.prompts, hits)],
+                             logits=False)
 
     def _run_causal(self, requests, token_lists, logits=True):
         seqs = [self.seq[r] for r in requests]
@@ -118,6 +128,12 @@ class ModelDraftSession(DraftSession):
     def commit(self, requests, tokens, features):
         for r, t in zip(requests, tokens):
             self.pending[r].extend(t)
+
+    def prefix_state(self, request, start):
+        """Row t: the draft model's K/V at position t, every layer (tokens not yet run through
+        the draft model, at most one step's, have none)."""
+        s = self.seq[request]
+        return {"kv": self.cache.read(s, start, self.cache.seq_lens[s])}
 
     def finish(self, request):
         self.cache.free_sequence(self.seq[request])

@@ -39,6 +39,9 @@ class RecordingDrafter(Drafter):
     def modules(self):
         return self.inner.modules()
 
+    def prefix_key(self, model):
+        return self.inner.prefix_key(model)
+
     def start(self, model, ctx: DraftStart) -> DraftSession:
         return _RecordingSession(self.inner.start(model, ctx), self.trees)
 
@@ -57,6 +60,9 @@ class _RecordingSession(DraftSession):
 
     def commit(self, requests, tokens, features) -> None:
         self.session.commit(requests, tokens, features)
+
+    def prefix_state(self, request: int, start: int):
+        return self.session.prefix_state(request, start)
 
     def finish(self, request: int) -> None:
         self.session.finish(request)
