@@ -150,7 +150,7 @@ def test_chat_in_a_terminal(lm_dir):
         assert [r[0] for r in rows] == [1, 2, 3, 4]
         assert rows[2][4] and 0 < rows[2][3] < n  # stopped part-way
         assert rows[3][3] == n and not rows[3][4]
-        assert all(r[2] == "-" for r in rows)  # no prefix cache in this treespec yet
+        assert rows[0][2] == "0" and all(int(r[2]) > 0 for r in rows[1:])  # later turns read earlier ones from the cache
 
         t.type("\x04")
         t.expect("treespec: chat ended (end of input)", pos)
@@ -193,8 +193,12 @@ def test_chat_piped_answers_the_conversation(lm, lm_dir):
     assert p.stdout.startswith(a1 + "\n" + "turn  prompt")  # no prompt echoed off a terminal
     after_stats = p.stdout.index("tau: tokens per target forward\n") + len("tau: tokens per target forward\n")
     assert p.stdout[after_stats:].startswith(a2 + "\n" + a1 + "\n")  # /reset: the first question again
-    assert stats_rows(p.stdout)[-3:] == [(1, len(first), "-", n, False), (2, len(second), "-", n, False),
-                                          (3, len(first), "-", n, False)]
+    rows = stats_rows(p.stdout)[-3:]
+    assert [(r[0], r[1], r[3], r[4]) for r in rows] == [(1, len(first), n, False), (2, len(second), n, False),
+                                                        (3, len(first), n, False)]
+    # The prefix cache: the first turn finds nothing; the second reads the first's pages, and the
+    # first question asked again after /reset reads its own (whole pages, the last token recomputed).
+    assert rows[0][2] == "0" and 0 < int(rows[1][2]) < len(second) and 0 < int(rows[2][2]) < len(first)
     assert p.stdout.rstrip().endswith(cli_chat.HELP.rstrip())
     notes = p.stderr.splitlines()
     assert notes[-3:] == ["treespec: unknown command /nonsense (/help lists them)", "treespec: conversation cleared",
@@ -264,29 +268,23 @@ def test_the_context_bounds_each_answer(capsys, monkeypatch, lm, tmp_path):
     assert [r[3] for r in stats_rows(out)] == [room]  # the second turn was not asked
 
 
-def test_the_prefix_cache_is_made_once_and_passed_to_every_turn(capsys, monkeypatch, lm_dir):
-    """The coupling to treespec.PrefixCache (issue 28), with a stand-in until it lands."""
-    made, passed = [], []
-
-    class StandIn:
-        def __init__(self, max_bytes):
-            made.append(max_bytes)
-
-    real = treespec.engine.stream
-
-    def with_cache(*a, prefix_cache, **kw):
-        passed.append(prefix_cache)
-        for out in real(*a, **kw):
-            out.metrics.requests[0].hit_tokens = 7 * len(passed)
-            yield out
-
-    monkeypatch.setattr(treespec, "PrefixCache", StandIn, raising=False)
-    monkeypatch.setattr("treespec.engine.stream", with_cache)
-    rc, out, _ = run_chat(capsys, monkeypatch, ["one", "two", "/stats"], "--model", lm_dir, *FLAGS,
-                          "--prefix-cache-mb", "64", "--max-new-tokens", "4")
+def test_the_prefix_cache_serves_the_second_turn_and_changes_no_answer(capsys, monkeypatch, lm_dir):
+    """The session's PrefixCache (issue 28): the second turn reads the first from the cache
+    (hit tokens in /stats), and the answers are those of a chat without a cache."""
+    turns = ["one", "two", "/stats"]
+    rc, cached, _ = run_chat(capsys, monkeypatch, turns, "--model", lm_dir, *FLAGS, "--prefix-cache-mb", "64",
+                             "--max-new-tokens", "8")
     assert rc == 0
-    assert made == [64 << 20] and len(passed) == 2 and passed[0] is passed[1]
-    assert [r[2] for r in stats_rows(out)] == ["7", "14"]
+    rc, plain, _ = run_chat(capsys, monkeypatch, turns, "--model", lm_dir, *FLAGS, "--prefix-cache-mb", "0",
+                            "--max-new-tokens", "8")
+    assert rc == 0
+    def answers(out):  # everything but /stats' rows (its header is the same either way)
+        return [ln for ln in out.splitlines() if not STATS_ROW.match(ln.rstrip("\r"))]
+
+    assert answers(cached) == answers(plain)
+    hits = [r[2] for r in stats_rows(cached)]
+    assert hits[0] == "0" and int(hits[1]) > 0
+    assert [r[2] for r in stats_rows(plain)] == ["-", "-"]
 
 
 # ---- --system and the checks before loading -----------------------------------------------

@@ -43,7 +43,7 @@ def add_arguments(p):
     add_system(p, "/reset keeps it")
     p.add_argument("--prefix-cache-mb", type=int, default=512, metavar="MB",
                    help="memory for the prefix cache, which keeps the conversation's K/V from turn to turn so that "
-                        "a turn prefills only its new tokens (0: off; a treespec without PrefixCache runs none)")
+                        "a turn prefills only its new tokens (0: off)")
     add_sampling(p)
     p.set_defaults(max_new_tokens=512)  # per answer
     add_runtime(p)
@@ -218,26 +218,18 @@ def _check_cache(args):
         raise UserError(f"--prefix-cache-mb must be >= 0 (0: no prefix cache), got {args.prefix_cache_mb}")
 
 
-# ---- the prefix cache: chat's one contact with treespec.PrefixCache (issue 28) --------------
-# treespec.PrefixCache is being built beside this command. Until it lands, chat runs without
-# a cache and /stats shows "-" for hits; once it does, the session's cache is made and passed
-# to every turn with no change here. MERGE: check the name of the hit-token metric in hits().
+# ---- the prefix cache (issue 28) -----------------------------------------------------------
 
 
 class PrefixCacheLink:
-    """The session's prefix cache, if treespec has one: ``options`` go to every turn's
-    ``treespec.stream``, ``hits`` reads what a turn's metrics say the cache served."""
+    """The session's prefix cache (None with --prefix-cache-mb 0): ``options`` go to every
+    turn's ``treespec.stream``, ``hits`` reads what a turn's metrics say the cache served."""
 
     def __init__(self, args):
         import treespec
 
-        make = getattr(treespec, "PrefixCache", None)  # the package's lazy names: None until it exists
-        if make is None and args.prefix_cache_mb > 0:
-            log.info("this treespec has no PrefixCache: every turn prefills the whole conversation")
-        self.cache = make(max_bytes=args.prefix_cache_mb << 20) if make and args.prefix_cache_mb > 0 else None
+        self.cache = treespec.PrefixCache(max_bytes=args.prefix_cache_mb << 20) if args.prefix_cache_mb > 0 else None
         self.options = {} if self.cache is None else {"prefix_cache": self.cache}
 
     def hits(self, metrics) -> int | None:
-        if self.cache is None:
-            return None
-        return getattr(metrics.requests[0], "hit_tokens", None)  # MERGE: the field PrefixCache's metrics fill
+        return None if self.cache is None else metrics.requests[0].hit_tokens
