@@ -11,9 +11,11 @@ without a cache, then with one (its first call fills it), and the totals are com
 
 ``mt-bench``: Spec-Bench's MT-bench questions (two user turns each). Each question's first turn
 is answered with the cache, then its second turn (the conversation re-rendered through the chat
-template with that answer, as a chat server would) is prefilled with the warm cache and without
-one, alternately; the time to first token (``RequestMetrics.first_token_seconds``) and the
-prompt tokens the cache served are compared.
+template with that answer, as a chat server would) is answered (``--second-tokens``) with the
+warm cache and without one, alternately; the time to first token
+(``RequestMetrics.first_token_seconds``), the prompt tokens the cache served and the second
+answer's tau (mean tokens per target forward: a hit must cost no acceptance) are compared, over
+all questions and over those whose second turn has ``--long-history`` tokens or more.
 
 Prints a table (the first line says where it ran) and, with ``--out``, writes the figures as
 JSON with the command. Timings move with any other load on the cores: run on a quiet machine.
@@ -91,13 +93,30 @@ def mt_bench(args) -> dict:
         first = _call(model, draft, args, list(p.ids), cache, args.max_new_tokens)
         second = p.next_turn(tok, [first.sequences[0]])
         order = [("with", cache), ("without", None)] if i % 2 == 0 else [("without", None), ("with", cache)]
-        got = {label: _call(model, draft, args, second, c).metrics.requests[0] for label, c in order}
-        per.append(dict(prompt_tokens=len(second), hit_tokens=got["with"].hit_tokens,
-                        first_token_ms_with=1000 * got["with"].first_token_seconds,
-                        first_token_ms_without=1000 * got["without"].first_token_seconds))
-    med = {k: statistics.median(r[k] for r in per) for k in ("first_token_ms_with", "first_token_ms_without")}
-    return dict(questions=len(per), first_turn_new_tokens=args.max_new_tokens, median=med,
-                hit_share=sum(r["hit_tokens"] for r in per) / sum(r["prompt_tokens"] for r in per), per_question=per)
+        got = {label: _call(model, draft, args, second, c, args.second_tokens) for label, c in order}
+        req = {label: out.metrics.requests[0] for label, out in got.items()}
+        per.append(dict(prompt_tokens=len(second), hit_tokens=req["with"].hit_tokens,
+                        first_token_ms_with=1000 * req["with"].first_token_seconds,
+                        first_token_ms_without=1000 * req["without"].first_token_seconds,
+                        tau_with=got["with"].metrics.mean_accepted_length,
+                        tau_without=got["without"].metrics.mean_accepted_length,
+                        same_tokens=got["with"].sequences == got["without"].sequences))
+    long = [r for r in per if r["prompt_tokens"] >= args.long_history]
+    return dict(questions=len(per), first_turn_new_tokens=args.max_new_tokens, second_turn_new_tokens=args.second_tokens,
+                median=_medians(per), long_history=args.long_history, long=dict(questions=len(long), median=_medians(long)),
+                hit_share=sum(r["hit_tokens"] for r in per) / sum(r["prompt_tokens"] for r in per),
+                same_tokens=sum(r["same_tokens"] for r in per), per_question=per)
+
+
+def _medians(rows: list[dict]) -> dict:
+    keys = ("first_token_ms_with", "first_token_ms_without", "tau_with", "tau_without")
+    out = {k: statistics.median(r[k] for r in rows) if rows else None for k in keys}
+    if rows:
+        out["first_token_ratio"] = statistics.median(r["first_token_ms_with"] / r["first_token_ms_without"] for r in rows)
+        out["tau_spread_without"] = statistics.pstdev(r["tau_without"] for r in rows)
+        out["tau_mean_with"] = statistics.mean(r["tau_with"] for r in rows)
+        out["tau_mean_without"] = statistics.mean(r["tau_without"] for r in rows)
+    return out
 
 
 def main(argv=None) -> None:
@@ -112,7 +131,9 @@ def main(argv=None) -> None:
     ap.add_argument("--requests", type=int, default=50, help="shared: requests")
     ap.add_argument("--system-tokens", type=int, default=1000, help="shared: the system prompt's length")
     ap.add_argument("--num-prompts", type=int, default=16, help="mt-bench: questions")
-    ap.add_argument("--max-new-tokens", type=int, default=128, help="mt-bench: the first turn's answer")
+    ap.add_argument("--max-new-tokens", type=int, default=512, help="mt-bench: the first turn's answer")
+    ap.add_argument("--second-tokens", type=int, default=128, help="mt-bench: the second turn's answer")
+    ap.add_argument("--long-history", type=int, default=500, help="mt-bench: a second turn this long or longer")
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     args = ap.parse_args(argv)
 
@@ -129,11 +150,17 @@ def main(argv=None) -> None:
             print(f"| {label} | {r['prefill_seconds']:.2f} | {r['call_seconds']:.2f} | "
                   f"{r['median_first_token_ms']:.0f} | {r['hit_tokens']} of {r['prompt_tokens']} |")
     else:
-        m = result["median"]
-        print(f"{result['questions']} MT-bench second turns (first answers of at most "
-              f"{result['first_turn_new_tokens']} tokens): median time to first token "
-              f"{m['first_token_ms_without']:.0f} ms without the cache, {m['first_token_ms_with']:.0f} ms with it; "
-              f"the cache served {result['hit_share']:.0%} of the prompt tokens")
+        print(f"MT-bench second turns (first answers of at most {result['first_turn_new_tokens']} tokens, second "
+              f"{result['second_turn_new_tokens']}); the cache served {result['hit_share']:.0%} of their prompt tokens; "
+              f"{result['same_tokens']} of {result['questions']} second answers identical with and without it")
+        print("| second turns | n | median TTFT without, ms | with, ms | median ratio | tau without (mean, sd) | tau with |")
+        print("|---|---|---|---|---|---|---|")
+        for label, n, m in (("all", result["questions"], result["median"]),
+                            (f">= {result['long_history']} tokens", result["long"]["questions"], result["long"]["median"])):
+            if n:
+                print(f"| {label} | {n} | {m['first_token_ms_without']:.0f} | {m['first_token_ms_with']:.0f} | "
+                      f"{m['first_token_ratio']:.2f}x | {m['tau_mean_without']:.2f} (sd {m['tau_spread_without']:.2f}) | "
+                      f"{m['tau_mean_with']:.2f} |")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"command": command(__file__, argv), "machine": machine_line(), **result},
