@@ -764,7 +764,7 @@ def test_every_option_has_help(name):
 @pytest.mark.parametrize("argv, shown", [
     (["generate", "--help"], ["--max-new-tokens MAX_NEW_TOKENS", "(default: 128)", "(default: 0.0)"]),
     (["chat", "--help"], ["--max-new-tokens MAX_NEW_TOKENS the most tokens to generate per prompt (default: 512)",
-                          "(0: off; a treespec without PrefixCache runs none) (default: 512)"]),
+                          "(0: off) (default: 512)"]),
     (["train-eagle", "--help"], ["(default: 3)", "(default: 0.001)", "(default: eagle3)", "(default: 512)"]),
     (["capture", "--help"], ["(default: 0.8)", "(default: 64)"]),
     (["tree", "show", "--help"], ["(default: 100)"]),
