@@ -13,13 +13,14 @@ from transformers import GenerationConfig
 
 import treespec
 import treespec.engine as engine
+from test_processing import VOCAB as _VOCAB, trees  # random trees over the same 16 tokens
 from tiny import tiny_model
 from treespec import Tree, TreeConfig
 from treespec.builder import build_dynamic_trees, build_static_trees
 from treespec.constraints import DraftRules, draft_constrain
 from treespec.processing import NodeProcessor, resolve_generation_config
 
-V = 16
+V = _VOCAB
 EOS = 2
 
 
@@ -73,19 +74,6 @@ def test_banned_is_what_the_processors_set_to_minus_inf(model, options, history,
     sequence.extend(more)  # the engine extends the list as it commits; the n-gram index follows
     for path in paths:
         assert rules.banned(path) == minus_inf(procs, sequence + path), (options, sequence, path)
-
-
-@st.composite
-def trees(draw, max_nodes=14):
-    n = draw(st.integers(0, max_nodes))
-    parents, toks, used = [-1], [draw(st.integers(0, V - 1))], {}
-    for i in range(1, n + 1):
-        p = draw(st.integers(0, i - 1))
-        t = draw(st.sampled_from([t for t in range(V) if t not in used.get(p, set())]))
-        used.setdefault(p, set()).add(t)
-        parents.append(p)
-        toks.append(t)
-    return Tree(parents, toks)
 
 
 @settings(max_examples=80, deadline=None)
