@@ -76,6 +76,13 @@ def test_banned_is_what_the_processors_set_to_minus_inf(model, options, history,
         assert rules.banned(path) == minus_inf(procs, sequence + path), (options, sequence, path)
 
 
+def test_an_ngram_spanning_a_short_history_and_the_path(model):
+    """A history shorter than n-1: the n-gram (3, 4, 5, 6) starts in it and ends in the path."""
+    procs = processors(model, dict(no_repeat_ngram_size=4), prompt_len=1)
+    rules = DraftRules.from_processors(procs, [3, 4])
+    assert rules.banned([5, 6, 3, 4, 5]) == minus_inf(procs, [3, 4, 5, 6, 3, 4, 5]) == {6}
+
+
 @settings(max_examples=80, deadline=None)
 @given(options=hard, history=tokens, tree=trees())
 def test_prune_keeps_exactly_the_nodes_whose_path_is_allowed(model, options, history, tree):

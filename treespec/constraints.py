@@ -151,8 +151,9 @@ class DraftRules:
             out |= self.begin[1]
         n = self.ngram
         if n and length + 1 >= n:
-            window = self.sequence[len(self.sequence) - (n - 1):] + path if n > 1 else path
-            key = tuple(window[len(window) - (n - 1):]) if n > 1 else ()
+            # The last n-1 committed tokens (all of them when fewer) and the path.
+            window = self.sequence[max(len(self.sequence) - (n - 1), 0):] + path
+            key = tuple(window[len(window) - (n - 1):])
             out |= self._index.get(key, set())
             for i in range(len(window) - n + 1):  # the n-grams that hold a path token
                 if tuple(window[i : i + n - 1]) == key:

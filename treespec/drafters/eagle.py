@@ -450,7 +450,7 @@ class EagleSession(DraftSession):
         self.stop = ctx.stop
         self.ctx = ctx
         self.to_draft = None  # target id -> draft id (-1: none), for a head with its own vocabulary
-        if c.eagle3 and ctx.rules is not None:
+        if c.eagle3 and ctx.rules is not None and any(ctx.rules):
             ids = torch.arange(c.draft_vocab_size, device=head.d2t.device)
             self.to_draft = torch.full((c.vocab_size,), -1, dtype=torch.int64)
             self.to_draft[head.draft_to_target(ids).cpu()] = ids.cpu()
