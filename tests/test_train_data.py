@@ -329,6 +329,46 @@ def test_reference_answers_and_training_from_shards_in_both_layouts(tiny_lm, tmp
         assert (out / "validation.txt").read_text().startswith("loss ")
 
 
+def test_training_on_several_capture_folders_and_from_a_head(tiny_lm, tmp_path):
+    """``captured`` takes folders in order (``max_examples`` counts across them), and ``init``
+    fine-tunes a head: its draft vocabulary kept, its weights the start,
+    a layout or vocabulary that does not match refused."""
+    from treespec.drafters.eagle import _head_from_dir
+    from treespec.train.trainer import _new_head, _training_records
+
+    model, tok = tiny_lm
+    data = _data(tmp_path)
+    a, b = tmp_path / "a", tmp_path / "b"
+    capture_shards(model, tok, CaptureConfig(data=f"{data}[:4]", out_dir=str(a), answers="reference", shard_size=2))
+    capture_shards(model, tok, CaptureConfig(data=f"{data}[4:10]", out_dir=str(b), answers="reference", shard_size=2))
+    both = f"{a},{b}"
+    recs = _training_records(model, tok, TrainConfig(data="", out_dir=str(tmp_path / "r"), captured=both), tmp_path, None)
+    assert [r["tokens"].tolist() for r in recs] == [r["tokens"].tolist() for r in load_shards(a) + load_shards(b)]
+    six = _training_records(model, tok, TrainConfig(data="", out_dir=str(tmp_path / "r"), captured=both,
+                                                    max_examples=6), tmp_path, None)
+    assert len(six) == 6 and six[5]["tokens"].tolist() == load_shards(b)[1]["tokens"].tolist()
+    base = tmp_path / "base"
+    train_eagle(model, tok, TrainConfig(data="", out_dir=str(base), captured=str(a), draft_vocab_size=64,
+                                        epochs=1, batch_size=2, warmup_steps=1))
+    start = _head_from_dir(base / "head", model)
+    same, _ = _new_head(model, tok, TrainConfig(data="", out_dir="", init=str(base / "head"), draft_vocab_size=64),
+                        recs)
+    assert all(p.requires_grad and p.dtype == torch.float32 for p in same.parameters())
+    for (k, v), w in zip(start.state_dict().items(), same.state_dict().values()):
+        torch.testing.assert_close(w.float(), v.float(), msg=k)
+    tuned = train_eagle(model, tok, TrainConfig(data="", out_dir=str(tmp_path / "tuned"), captured=str(b),
+                                                init=str(base / "head"), draft_vocab_size=64, epochs=1,
+                                                batch_size=2, warmup_steps=1))
+    assert torch.equal(tuned.d2t, start.d2t)  # b's labels would give another vocabulary
+    assert not torch.equal(tuned.fc.weight.float(), start.fc.weight.float())
+    with pytest.raises(ValueError, match="draft vocabulary of 64"):
+        train_eagle(model, tok, TrainConfig(data="", out_dir=str(tmp_path / "v"), captured=str(b),
+                                            init=str(base / "head"), draft_vocab_size=32))
+    with pytest.raises(ValueError, match="--arch"):
+        train_eagle(model, tok, TrainConfig(data="", out_dir=str(tmp_path / "e1"), captured=str(b),
+                                            init=str(base / "head"), eagle3=False))
+
+
 def test_bf16_autocast_training_step_matches_float32(tiny_lm, tmp_path):
     """The bf16-autocast TTT step (the trainer's default on a CPU with native bf16) computes the
     loss and gradients of the fp32 step up to bf16 rounding: a wrong cast (a mask or a

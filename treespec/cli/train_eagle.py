@@ -10,8 +10,9 @@ def add_arguments(p):
     add_model(p)
     p.add_argument("--data", default=None, help="JSONL with question/answer, prompt/completion, messages or text, "
                    "or a packaged dataset: gsm8k-train (GSM8K train, shipped with treespec); not with --captured")
-    p.add_argument("--captured", default=None, metavar="DIR",
-                   help="train on a treespec capture folder (its first --max-examples conversations) instead of --data")
+    p.add_argument("--captured", default=None, metavar="DIR[,DIR...]",
+                   help="train on treespec capture folders, comma-separated (the first --max-examples "
+                        "conversations of them in order) instead of --data")
     p.add_argument("--val-captured", default=None, metavar="DIR",
                    help="validate on this capture folder (greedy answers) instead of a share of the training data")
     p.add_argument("--out", required=True, help="output directory (resumes if it holds a run)")
@@ -38,6 +39,9 @@ def add_arguments(p):
                    help="train on the target's whole next-token distribution over the draft vocabulary "
                         "(from the captured final state, as EAGLE-3 trains) instead of its one token; "
                         "needs --captured with features 'both'")
+    p.add_argument("--init", default=None, metavar="HEAD",
+                   help="fine-tune this head (a directory or a shipped head's name) instead of starting from a "
+                        "fresh one; its layout and draft vocabulary are kept")
     p.add_argument("--seed", type=int, default=0, help="seed of the head's initialisation, shuffling and split")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="compute dtype of training (bf16 autocast; weights and optimiser state stay fp32). "
@@ -68,7 +72,7 @@ def run(args):
         regenerate_count=None if args.regenerate < 0 else args.regenerate,
         regen_max_new_tokens=args.regen_max_new_tokens, epochs=args.epochs,
         batch_size=args.batch_size, lr=args.lr, ttt_steps=args.ttt_steps, seed=args.seed,
-        dtype=args.dtype, soft_labels=args.soft_labels,
+        dtype=args.dtype, soft_labels=args.soft_labels, init=args.init,
     )
     setup_threads(args)
     # float32 weights: --dtype is training's autocast dtype (TrainConfig.dtype), not the target's.

@@ -74,14 +74,17 @@ class TrainConfig:
     threads: int | None = None
     dtype: str = "auto"  # compute dtype of training: "bfloat16" (autocast; master weights and
     # AdamW state stay fp32), "float32", or "auto" (bf16 on a GPU or a CPU with native bf16)
-    captured: str | None = None  # a treespec capture folder (treespec.train.capture): train on its
-    # shards (the first max_examples conversations) instead of capturing from data
+    captured: str | None = None  # treespec capture folders (treespec.train.capture), comma-separated:
+    # train on their shards (the first max_examples conversations of them in order) instead of
+    # capturing from data
     captured_source: str | None = None  # with captured: only this dataset of its mix
     val_captured: str | None = None  # a capture folder held out for validation (all its greedy
     # conversations, up to val_examples), so that runs on different data compare on one set
     soft_labels: bool = False  # train on the target's whole next-token distribution over the draft
     # vocabulary (recomputed from the captured final state), as EAGLE-3's training does, instead of
     # its one token; needs a capture with the final state (captured, features "both")
+    init: str | None = None  # start from this head (a directory or a shipped head's name) instead of
+    # a fresh one: its weights, layout and draft vocabulary (fine-tuning on new data)
 
 
 # ---- capture ----------------------------------------------------------------------------
@@ -238,7 +241,9 @@ def ttt_loss(head: EagleHead, batch, steps: int):
         accs.append(float((logits.argmax(-1)[sel] == lab[sel]).float().mean()) if sel.any() else float("nan"))
         # The next step reads this step's outputs, shifted: entry i takes entry i-1's output.
         hidden = torch.cat([h[:, :1] * 0, h[:, :-1]], 1)
-    return total / max(weight_sum, 1e-9), accs
+    if not weight_sum:  # no label of the batch in the draft vocabulary: a zero loss, still a graph
+        return logits.sum() * 0.0, accs
+    return total / weight_sum, accs
 
 
 def _to_draft(head: EagleHead, target_ids: torch.Tensor) -> torch.Tensor:
@@ -315,9 +320,15 @@ def _training_records(model, tokenizer, cfg: TrainConfig, out: Path, callback) -
     in ``out``, or a new capture saved there."""
     cap_path = out / "captured.pt"
     if cfg.captured:
-        records = load_shards(cfg.captured, eagle3=cfg.eagle3, limit=cfg.max_examples, source=cfg.captured_source,
+        records = []
+        for folder in cfg.captured.split(","):
+            left = None if cfg.max_examples is None else cfg.max_examples - len(records)
+            if left is not None and left <= 0:
+                break
+            got = load_shards(folder, eagle3=cfg.eagle3, limit=left, source=cfg.captured_source,
                               final=cfg.soft_labels)
-        log.info("training on %d conversations captured in %s", len(records), cfg.captured)
+            log.info("training on %d conversations captured in %s", len(got), folder)
+            records += got
     elif cfg.soft_labels:
         raise ValueError("soft labels need a capture folder with the final state (treespec capture, "
                          "features 'both'): train with captured=DIR")
@@ -335,10 +346,13 @@ def _training_records(model, tokenizer, cfg: TrainConfig, out: Path, callback) -
 def _new_head(model, tokenizer, cfg: TrainConfig, records) -> tuple[EagleHead, torch.Tensor | None]:
     """Stage 2: a float32 head for ``model``, all its parameters trainable; with EAGLE-3 its draft
     vocabulary from the labels of ``records`` and its output rows started from the target's.
-    Also those rows, frozen, for soft labels (``[Vd, H]``; None without soft labels)."""
-    head = EagleHead.for_target(model, eagle3=cfg.eagle3, draft_vocab_size=cfg.draft_vocab_size)
-    head = head.float()
-    if cfg.eagle3:
+    Also those rows, frozen, for soft labels (``[Vd, H]``; None without soft labels).
+    With ``cfg.init``, the head it names instead, as it is (its layout and draft vocabulary)."""
+    if cfg.init:
+        head = _init_head(model, cfg)
+    else:
+        head = EagleHead.for_target(model, eagle3=cfg.eagle3, draft_vocab_size=cfg.draft_vocab_size).float()
+    if cfg.eagle3 and not cfg.init:
         V = head.config.vocab_size
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         d2t, t2d = draft_vocabulary(records, V, head.config.draft_vocab_size, always=eos)
@@ -351,10 +365,29 @@ def _new_head(model, tokenizer, cfg: TrainConfig, records) -> tuple[EagleHead, t
     if cfg.soft_labels:
         if not cfg.eagle3:
             raise ValueError("soft labels are implemented for the EAGLE-3 layout (its draft vocabulary)")
-        rows = head.lm_head.weight.detach().clone()  # the target's rows, as copied above, frozen
+        keep = torch.arange(head.config.draft_vocab_size) + head.d2t  # the target's rows of the draft
+        rows = model.get_output_embeddings().weight[keep].detach().float().clone()  # vocabulary, frozen
     for p in head.parameters():
         p.requires_grad_(True)
     return head, rows
+
+
+def _init_head(model, cfg: TrainConfig) -> EagleHead:
+    """The float32 head ``cfg.init`` names, checked against the run's layout."""
+    from ..assets import resolve_draft
+    from ..drafters.eagle import _head_from_dir
+
+    head = _head_from_dir(resolve_draft(cfg.init), model).float()
+    c = head.config
+    if c.eagle3 != cfg.eagle3:
+        raise ValueError(f"init={cfg.init!r} is an {'EAGLE-3' if c.eagle3 else 'EAGLE-1/2'} head, but the run "
+                         f"trains {'EAGLE-3' if cfg.eagle3 else 'EAGLE-1/2'}: pass the matching --arch")
+    if c.eagle3 and cfg.draft_vocab_size and cfg.draft_vocab_size != c.draft_vocab_size:
+        raise ValueError(f"init={cfg.init!r} has a draft vocabulary of {c.draft_vocab_size}, the run asks for "
+                         f"{cfg.draft_vocab_size}: fine-tuning keeps the head's (pass --draft-vocab "
+                         f"{c.draft_vocab_size})")
+    log.info("starting from the head %s (%s)", cfg.init, "EAGLE-3" if c.eagle3 else "EAGLE-1/2")
+    return head
 
 
 def _split(records, cfg: TrainConfig) -> tuple[list[int], list[dict]]:
