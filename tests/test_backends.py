@@ -26,7 +26,8 @@ import treespec
 from tiny import tiny_model
 from treespec import Tree
 from treespec.attention import (
-    FlexBackend, TorchBackend, flashinfer_plan_args, flex_block_mask, flex_problem, get_backend, make_batch,
+    FlexBackend, TorchBackend, flashinfer_available, flashinfer_plan_args, flex_block_mask, flex_problem, get_backend,
+    make_batch,
 )
 from treespec.drafters.model import ModelDrafter
 from treespec.drafters.ngram import NgramDrafter
@@ -342,14 +343,6 @@ def test_flex_greedy_output_equals_torchs_on_cpu():
 
 # ---- CUDA -----------------------------------------------------------------------------------
 
-def _flashinfer_importable() -> bool:
-    try:
-        import flashinfer  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
 def cuda_model(seed: int = 0, **kw):
     """A tiny llama with head dim 64: the smallest that FlashInfer's kernels take (64, 128, 256)
     and above flex_attention's CUDA minimum (16)."""
@@ -362,7 +355,7 @@ def cuda_model(seed: int = 0, **kw):
 @pytest.mark.parametrize("backend", [
     pytest.param("flex", marks=pytest.mark.skipif(bool(torch.cuda.is_available() and flex_problem("cuda")),
                                                   reason=f"flex: {torch.cuda.is_available() and flex_problem('cuda')}")),
-    pytest.param("flashinfer", marks=pytest.mark.skipif(not _flashinfer_importable(),
+    pytest.param("flashinfer", marks=pytest.mark.skipif(not flashinfer_available(),
                                                         reason="needs flashinfer: pip install 'treespec[cuda]'")),
 ])
 def test_backend_matches_torch_backend_on_cuda_fp16(backend, page_size):

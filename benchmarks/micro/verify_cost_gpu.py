@@ -34,7 +34,7 @@ import torch  # noqa: E402
 
 from benchmarks.timing import Timer, command  # noqa: E402
 from treespec import Tree  # noqa: E402
-from treespec.attention import flex_problem  # noqa: E402
+from treespec.attention import flashinfer_available, flex_problem  # noqa: E402
 from treespec.machine import machine_info  # noqa: E402
 from treespec.mask import causal_mask  # noqa: E402
 from treespec.runner import ModelRunner  # noqa: E402
@@ -78,12 +78,8 @@ def available_backends(device: str) -> list[str]:
     names = ["torch"]
     if flex_problem(device) is None:
         names.append("flex")
-    if torch.device(device).type == "cuda":
-        try:
-            import flashinfer  # noqa: F401
-            names.append("flashinfer")
-        except Exception:
-            pass
+    if torch.device(device).type == "cuda" and flashinfer_available():
+        names.append("flashinfer")
     return names
 
 

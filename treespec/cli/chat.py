@@ -51,6 +51,7 @@ def add_arguments(p):
 
 
 def run(args):
+    from ..prefix_cache import PrefixCache
     from .loading import check, load, stream_options
 
     sp, trees = check(args, [args.tree], [args.draft], then=[lambda: check_system(args), lambda: _check_cache(args)])
@@ -61,7 +62,8 @@ def run(args):
         raise UserError(f"{args.model} has no chat template, which treespec chat needs (treespec generate --prompt "
                         "continues plain text)")
     drafter, draft_name = loaded.drafters[args.draft]
-    chat = Chat(loaded, drafter, cfg, options, args.system, PrefixCacheLink(args))
+    cache = PrefixCache(max_bytes=args.prefix_cache_mb << 20) if args.prefix_cache_mb > 0 else None
+    chat = Chat(loaded, drafter, cfg, options, args.system, cache)
     print(f"treespec: chat with {args.model} (draft {draft_name}, tree {tree_name}); /help lists the commands, "
           "Ctrl-D or /exit ends", file=sys.stderr, flush=True)
     with loaded.packed():
@@ -87,7 +89,8 @@ class Chat:
     """The session: the conversation as (user turn, answer) pairs, the figures of every answer,
     and the loop that reads lines and answers them."""
 
-    def __init__(self, loaded, drafter, cfg, options: dict, system: str | None, cache: PrefixCacheLink):
+    def __init__(self, loaded, drafter, cfg, options: dict, system: str | None, cache):
+        """``cache``: the session's :class:`treespec.PrefixCache`, or None (--prefix-cache-mb 0)."""
         self.model, self.tokenizer, self.drafter, self.cfg = loaded.model, loaded.tokenizer, drafter, cfg
         self.options, self.system, self.cache = options, system, cache
         self.history: list[tuple[str, str]] = []  # one append per turn: a Ctrl-C cannot leave half of one
@@ -175,7 +178,7 @@ class Chat:
         from ..text import TextStream
 
         shown = TextStream(self.tokenizer, sys.stdout)
-        options = {**self.options, "max_new_tokens": budget, **self.cache.options}
+        options = {**self.options, "max_new_tokens": budget, "prefix_cache": self.cache}
         metrics, ttft, stopped = None, 0.0, False
         start = time.perf_counter()
         steps = stream(self.model, self.drafter, self.cfg, ids, tokenizer=self.tokenizer, **options)
@@ -195,7 +198,8 @@ class Chat:
         if metrics is None:
             return answer, None, stopped
         r = metrics.requests[0]
-        return answer, Turn(len(ids), self.cache.hits(metrics), r.num_generated, ttft,
+        hits = None if self.cache is None else r.hit_tokens
+        return answer, Turn(len(ids), hits, r.num_generated, ttft,
                             metrics.decode_tokens_per_second if r.num_generated > 1 else None,
                             r.mean_accepted_length if r.accepted else None, stopped), stopped
 
@@ -216,20 +220,3 @@ def stats_table(stats: list[Turn]) -> str:
 def _check_cache(args):
     if args.prefix_cache_mb < 0:
         raise UserError(f"--prefix-cache-mb must be >= 0 (0: no prefix cache), got {args.prefix_cache_mb}")
-
-
-# ---- the prefix cache (issue 28) -----------------------------------------------------------
-
-
-class PrefixCacheLink:
-    """The session's prefix cache (None with --prefix-cache-mb 0): ``options`` go to every
-    turn's ``treespec.stream``, ``hits`` reads what a turn's metrics say the cache served."""
-
-    def __init__(self, args):
-        import treespec
-
-        self.cache = treespec.PrefixCache(max_bytes=args.prefix_cache_mb << 20) if args.prefix_cache_mb > 0 else None
-        self.options = {} if self.cache is None else {"prefix_cache": self.cache}
-
-    def hits(self, metrics) -> int | None:
-        return None if self.cache is None else metrics.requests[0].hit_tokens
