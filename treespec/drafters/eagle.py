@@ -35,7 +35,7 @@ from transformers.models.llama.modeling_llama import (
     LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb,
 )
 
-from ..attention import get_backend, kv_dtype, make_batch
+from ..attention import TorchBackend, get_backend, kv_dtype, make_batch
 from ..builder import Frontier, build_trees
 from ..kv_cache import PagedKVCache
 from ..runner import FINAL_NORM
@@ -228,7 +228,21 @@ class EagleHead(nn.Module):
         x = self.fc(torch.cat([e, hidden], -1))
         return x, x
 
-    def forward(self, tokens, hidden, positions, attend) -> torch.Tensor:
+    def rope_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` ``[length, D]`` for positions ``0 .. length-1``, as :attr:`rotary`
+        computes them (each entry one product and one cos/sin, so a row does not depend on the
+        other positions computed with it), kept and grown as sessions ask for longer ones."""
+        p = next(self.parameters())
+        table = getattr(self, "_rope_table", None)
+        if table is None or table[0].shape[0] < length or table[0].dtype != p.dtype or table[0].device != p.device:
+            n = max(length, 2 * table[0].shape[0] if table is not None else 0)
+            x = torch.empty(0, dtype=p.dtype, device=p.device)
+            with torch.inference_mode():
+                cos, sin = self.rotary(x, torch.arange(n, device=p.device)[None])
+            self._rope_table = table = (cos[0], sin[0])
+        return table
+
+    def forward(self, tokens, hidden, positions, attend, rope=None) -> torch.Tensor:
         """One head pass.
 
         Args:
@@ -236,6 +250,8 @@ class EagleHead(nn.Module):
             hidden:    ``[T, H]``: target features after :meth:`project`, or draft outputs.
             positions: int64 ``[T]`` RoPE positions.
             attend:    ``(q [T, Hq, D], k [T, Hkv, D], v) -> [T, Hq, D]``.
+            rope:      ``(cos, sin)`` ``[T, D]`` of ``positions`` (rows of :meth:`rope_table`),
+                       or None to compute them.
         Returns:
             ``[T, H]`` output states (fed to the next depth and to :meth:`logits`).
         """
@@ -246,9 +262,13 @@ class EagleHead(nn.Module):
         q = a.q_proj(x).view(T, c.num_heads, c.head_dim)
         k = a.k_proj(x).view(T, c.num_kv_heads, c.head_dim)
         v = a.v_proj(x).view(T, c.num_kv_heads, c.head_dim)
-        cos, sin = self.rotary(x, positions[None])
-        q, k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
-        q, k = q[0].transpose(0, 1), k[0].transpose(0, 1)
+        if rope is None:
+            cos, sin = self.rotary(x, positions[None])
+            q, k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+            q, k = q[0].transpose(0, 1), k[0].transpose(0, 1)
+        else:  # the same arithmetic on [T, H, D], heads broadcast
+            cos, sin = rope[0][:, None], rope[1][:, None]
+            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         o = attend(q, k, v).reshape(T, c.num_heads * c.head_dim)
         h = residual + a.o_proj(o)
         return h + self.layer.mlp(self.layer.post_attention_layernorm(h))
@@ -285,6 +305,11 @@ class EagleHead(nn.Module):
         }
         save_file(state, str(path / "model.safetensors"))
         (path / "config.json").write_text(json.dumps(self.config.to_json(), indent=2) + "\n")
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def _read_state(path: Path) -> dict[str, torch.Tensor]:
@@ -461,6 +486,9 @@ class EagleSession(DraftSession):
                                                       self.device)
         self.root_logp: dict[int, torch.Tensor] = {}
         self.root_state: dict[int, torch.Tensor] = {}
+        # One request on a CPU: the lean pass of _run_one (no batch plan; RoPE from a table).
+        self.lean = isinstance(self.backend, TorchBackend) and self.device.type == "cpu"
+        self.rope = head.rope_table(self.cache.capacity(self.seq[0])) if self.lean else None
         tokens, features = [], []
         for r, (pr, t, f) in enumerate(zip(ctx.prompts, ctx.first_tokens, ctx.features)):
             hit = ctx.prefix[r] if ctx.prefix is not None else None
@@ -478,6 +506,10 @@ class EagleSession(DraftSession):
     @torch.inference_mode()
     def _run(self, requests, tokens, hidden, positions, masks, extra_keys=None):
         """Head pass over each request's new entries; returns per-request outputs."""
+        if self.lean and len(requests) == 1:
+            out = self._run_one(requests[0], tokens[0], hidden[0], positions[0], masks[0])
+            if out is not None:
+                return [out]
         seqs = [self.seq[r] for r in requests]
         prefix = [self.cache.seq_lens[s] for s in seqs]
         kpos = [p if extra_keys is None else torch.cat([extra_keys[i], p]) for i, p in enumerate(positions)]
@@ -490,6 +522,41 @@ class EagleSession(DraftSession):
         toks = torch.cat(tokens).to(self.device)
         h = self.head(toks, torch.cat(hidden).to(self.dtype), torch.cat(positions).to(self.device), attend)
         return list(torch.split(h, [t.numel() for t in tokens]))
+
+    def _run_one(self, request, tokens, hidden, positions, mask):
+        """:meth:`_run` for one request whose entries lie in its row of the cache, with the
+        torch backend's arithmetic (fp32 SDPA over the row's keys) and none of its batch
+        planning, which costs more than the head's attention itself; None when the row cannot
+        hold them (the general pass then runs)."""
+        cache, seq = self.cache, self.seq[request]
+        L = cache.seq_lens[seq]
+        n, m = mask.shape
+        kv = L + m
+        block = cache.block_rows([seq], kv)
+        if block is None or n > m:
+            return None
+        cache.reserve(seq, kv)
+        first, stride, (row,) = block
+        start = first + row * stride
+        full = torch.ones(n, kv, dtype=torch.bool)
+        full[:, L:] = mask
+        full = full.to(self.device)[None, None]
+        scale = self.head.config.head_dim ** -0.5
+
+        def attend(q, k, v):
+            fk, fv = cache.flat(0)
+            fk[start + kv - n: start + kv] = k.to(fk.dtype)
+            fv[start + kv - n: start + kv] = v.to(fv.dtype)
+            keys = fk[start: start + kv].transpose(0, 1).to(torch.float32)[None]
+            values = fv[start: start + kv].transpose(0, 1).to(torch.float32)[None]
+            out = F.scaled_dot_product_attention(q.to(torch.float32).transpose(0, 1)[None], keys, values,
+                                                 attn_mask=full, scale=scale,
+                                                 enable_gqa=keys.shape[1] != q.shape[1])
+            return out[0].transpose(0, 1).to(q.dtype)
+
+        pos = positions.to(self.device)
+        rope = (self.rope[0][pos], self.rope[1][pos])
+        return self.head(tokens.to(self.device), hidden.to(self.dtype), pos, attend, rope)
 
     def _extend(self, requests, tokens, features):
         """Draft extend: entries (f_i, token_i) for committed tokens, then the root's
