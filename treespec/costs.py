@@ -30,7 +30,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeVar
 
 import numpy as np
 import torch
@@ -39,6 +39,7 @@ __all__ = ["CostCurve", "GRID", "cost_key", "measure_cost_curve", "cached_cost_c
            "device_name", "model_identity", "prefixed_forward", "sample_spread", "cache_file"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: tree sizes (root included) timed at start-up; the grid stops at the largest tree needed.
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
@@ -222,20 +223,38 @@ def monotone_fit(seconds) -> np.ndarray:
     return pav(seconds, np.ones_like(seconds))
 
 
+def read_cached(path: Path, key: dict, field: str, parse: Callable[[dict], T], what: str) -> T | None:
+    """``parse(data[field])`` of the JSON file ``path`` written by :func:`write_cached` for
+    ``key``; None when it is missing, written for another key, or unreadable (warned)."""
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        value = parse(data[field])
+    except (ValueError, KeyError, TypeError) as e:
+        log.warning("ignoring unreadable %s %s: %s", what, path, e)
+        return None
+    return value if data.get("key") == key else None
+
+
+def write_cached(path: Path, key: dict, field: str, value: dict) -> None:
+    """Save ``{"key": key, field: value}`` at ``path`` atomically (readers never see half a
+    file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"key": key, field: value}, indent=1) + "\n")
+    tmp.replace(path)
+
+
 def cached_cost_curve(runner, max_tokens: int, refresh: bool = False) -> CostCurve:
     """The disk-cached curve for ``runner``'s key, measured when missing, too short for
     ``max_tokens`` or ``refresh``, and saved only if its samples agree (``MAX_SPREAD``); the
     model must be attached."""
     key = cost_key(runner)
     path = cache_file(key)
-    if not refresh and path.is_file():
-        try:
-            data = json.loads(path.read_text())
-            curve = CostCurve.from_json(data["curve"])
-            if data.get("key") == key and curve.max_tokens >= max_tokens:
-                return curve
-        except (ValueError, KeyError, TypeError) as e:
-            log.warning("ignoring unreadable cost curve %s: %s", path, e)
+    cached = None if refresh else read_cached(path, key, "curve", CostCurve.from_json, "cost curve")
+    if cached is not None and cached.max_tokens >= max_tokens:
+        return cached
     log.info("measuring what a verify forward of 1 to %d tokens costs here (%s, %s, %d thread(s)), for the auto "
              "tree: at most %.0f s, once per model, dtype and thread count", max_tokens, key["device"], key["dtype"],
              key["threads"], BUDGET_SECONDS)
@@ -249,10 +268,7 @@ def cached_cost_curve(runner, max_tokens: int, refresh: bool = False) -> CostCur
                     if curve.spread == float("inf") else f"samples of one size spread by {curve.spread:.0%}", points)
         return curve
     log.info("measured the verify cost in %.1f s (spread %.0f%%): %s", took, 100 * (curve.spread or 0.0), points)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"key": key, "curve": curve.to_json()}, indent=1) + "\n")
-    tmp.replace(path)  # readers never see half a file
+    write_cached(path, key, "curve", curve.to_json())
     return curve
 
 

@@ -29,7 +29,6 @@ time. The choice is logged at INFO with its timings (the command line shows it).
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import statistics
 import time
@@ -226,22 +225,10 @@ def _measure(model, packed: PackedLinears, key: dict) -> PackingChoice:
                     "this run and is not cached; it is measured again next run", "one round in the time allowed"
                     if times.spread == float("inf") else f"samples spread by {times.spread:.0%}")
         return PackingChoice.from_times(times, "measured")
-    path = costs.cache_file(key, "packing-")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"key": key, "times": times.to_json()}, indent=1) + "\n")
-    tmp.replace(path)  # readers never see half a file
+    costs.write_cached(costs.cache_file(key, "packing-"), key, "times", times.to_json())
     return PackingChoice.from_times(times, "measured")
 
 
 def _cached_times(key: dict) -> PackingTimes | None:
-    path = costs.cache_file(key, "packing-")
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text())
-        times = PackingTimes.from_json(data["times"])
-    except (ValueError, KeyError, TypeError) as e:
-        log.warning("ignoring unreadable packing timings %s: %s", path, e)
-        return None
-    return times if data.get("key") == key else None
+    return costs.read_cached(costs.cache_file(key, "packing-"), key, "times", PackingTimes.from_json,
+                             "packing timings")
