@@ -76,6 +76,7 @@ class Terminal:
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: become the command at once
             try:
+                signal.signal(signal.SIGINT, signal.SIG_DFL)  # as from a terminal, also under a background job
                 os.execve(sys.executable, [sys.executable, *argv], ENV)
             finally:
                 os._exit(127)

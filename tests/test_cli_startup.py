@@ -27,8 +27,14 @@ HEAVY = ("torch", "transformers", "numpy")
 
 def child(code: str, **kw) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    # SIGINT as from a terminal, also when the suite runs as a background job (whose children
+    # inherit an ignored SIGINT, and Python then installs no KeyboardInterrupt handler).
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, cwd=REPO, **kw)
+                            text=True, env=env, cwd=REPO, preexec_fn=_default_sigint, **kw)
+
+
+def _default_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def one_line(err: str) -> str:
