@@ -13,6 +13,7 @@ Sizes: target vocabulary V = 64, hidden H = 32; EAGLE-3 draft vocabulary Vd = 40
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -724,30 +725,27 @@ def test_lean_single_request_pass_drafts_the_general_trees(ckpts, kind, dtype, s
     fp32 SDPA over the request's row, no batch plan). It must draft exactly the trees the
     general pass drafts, tokens and scores bit for bit, through proposals, multi-token commits
     and a tree config drawn at random, in fp32 and bf16."""
-    model = target(kind, peak=4.0).to(dtype)
-    try:
-        drafter = treespec.load_draft(ckpts(kind)[0], model)
-        drafter.head.to(dtype)
-        cfg = data.draw(dynamic_configs(max_top_k=4, max_nodes=16))
-        g = torch.Generator().manual_seed(seed)
-        full = torch.randint(0, V, (40,), generator=g).tolist()
-        n = data.draw(st.integers(1, 12))
-        feats = hf_features(model, full, drafter.features_for(model)).to(dtype)
-        sessions = []
-        for lean in (True, False):
-            s = drafter.start(model, DraftStart([full[:n]], [full[n]], [feats[:n]], 24, cfg))
-            assert s.lean  # one request, torch backend, CPU
-            s.lean = lean
-            sessions.append(s)
-        pos = n
-        for commit in data.draw(st.lists(st.integers(1, 4), min_size=1, max_size=4)):
-            trees = [s.propose([0], [full[pos]], [cfg.depth]) for s in sessions]
-            assert torch.equal(trees[0][0].tokens, trees[1][0].tokens)
-            assert torch.equal(trees[0][0].parents, trees[1][0].parents)
-            assert torch.equal(trees[0][0].scores, trees[1][0].scores)
-            for s in sessions:
-                s.commit([0], [full[pos + 1: pos + 1 + commit]], [feats[pos: pos + commit]])
-            pos += commit
-            assert torch.equal(sessions[0].root_logp[0], sessions[1].root_logp[0])
-    finally:
-        model.float()
+    model = copy.deepcopy(target(kind, peak=4.0)).to(dtype)  # a copy: the module's targets stay fp32
+    drafter = treespec.load_draft(ckpts(kind)[0], model)
+    drafter.head.to(dtype)
+    cfg = data.draw(dynamic_configs(max_top_k=4, max_nodes=16))
+    g = torch.Generator().manual_seed(seed)
+    full = torch.randint(0, V, (40,), generator=g).tolist()
+    n = data.draw(st.integers(1, 12))
+    feats = hf_features(model, full, drafter.features_for(model)).to(dtype)
+    sessions = []
+    for lean in (True, False):
+        s = drafter.start(model, DraftStart([full[:n]], [full[n]], [feats[:n]], 24, cfg))
+        assert s.lean  # one request, torch backend, CPU
+        s.lean = lean
+        sessions.append(s)
+    pos = n
+    for commit in data.draw(st.lists(st.integers(1, 4), min_size=1, max_size=4)):
+        trees = [s.propose([0], [full[pos]], [cfg.depth]) for s in sessions]
+        assert torch.equal(trees[0][0].tokens, trees[1][0].tokens)
+        assert torch.equal(trees[0][0].parents, trees[1][0].parents)
+        assert torch.equal(trees[0][0].scores, trees[1][0].scores)
+        for s in sessions:
+            s.commit([0], [full[pos + 1: pos + 1 + commit]], [feats[pos: pos + commit]])
+        pos += commit
+        assert torch.equal(sessions[0].root_logp[0], sessions[1].root_logp[0])

@@ -17,6 +17,7 @@ the cores.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -74,7 +75,7 @@ def main() -> None:
     rows = {v: [] for v in VARIANTS}
     same = True
     print(machine_line(args.dtype, "packed" if packed else "plain weights"), flush=True)
-    with packed or torch.no_grad():
+    with packed or contextlib.nullcontext():
         treespec.generate(model, draft, args.tree, prompts[0], max_new_tokens=16)  # warm-up
         for i, p in enumerate(prompts):
             outs = []

@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import (
-    LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb,
+    LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb, rotate_half,
 )
 
 from ..attention import TorchBackend, get_backend, kv_dtype, make_batch
@@ -268,7 +268,7 @@ class EagleHead(nn.Module):
             q, k = q[0].transpose(0, 1), k[0].transpose(0, 1)
         else:  # the same arithmetic on [T, H, D], heads broadcast
             cos, sin = rope[0][:, None], rope[1][:, None]
-            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         o = attend(q, k, v).reshape(T, c.num_heads * c.head_dim)
         h = residual + a.o_proj(o)
         return h + self.layer.mlp(self.layer.post_attention_layernorm(h))
@@ -305,11 +305,6 @@ class EagleHead(nn.Module):
         }
         save_file(state, str(path / "model.safetensors"))
         (path / "config.json").write_text(json.dumps(self.config.to_json(), indent=2) + "\n")
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def _read_state(path: Path) -> dict[str, torch.Tensor]:
