@@ -186,16 +186,19 @@ sys.exit(cli.main(["generate", "--draft", "ngram"]))
 """
 
 
-@pytest.mark.parametrize("marker, when", [("ready", "importing torch"), ("loading", "loading the model")])
-def test_sigint_exits_130_with_one_line(marker, when):
+# Ctrl-C at moments spread over the import of torch and transformers (a second or more):
+# inside an import a KeyboardInterrupt used to be swallowed (the command ran on), leave numpy
+# half-loaded (exit 1) or abort from C++ (-6), depending on where it landed.
+@pytest.mark.parametrize("marker, delay", [("ready", d) for d in (0.05, 0.2, 0.3, 0.45, 0.7)] + [("loading", 0.0)])
+def test_sigint_exits_130_with_one_line(marker, delay):
+    when = "loading the model" if marker == "loading" else f"{delay} s into importing torch"
     p = child(SLOW_LOAD)
     try:
         line = ""
         while line.strip() != marker:
             line = p.stderr.readline()
             assert line, f"the child ended before {marker!r}"
-        if marker == "ready":
-            time.sleep(0.2)  # inside main, importing torch (seconds)
+        time.sleep(delay)
         p.send_signal(signal.SIGINT)
         _, err = p.communicate(timeout=60)
     finally:

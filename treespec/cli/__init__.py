@@ -26,9 +26,13 @@ command is chosen, and imports torch, transformers and the models only inside ``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
+import os
+import signal
 import sys
+import threading
 import warnings
 
 __all__ = ["main", "build_parser", "COMMANDS"]
@@ -91,7 +95,8 @@ def main(argv=None) -> int:
     """Run one ``treespec`` command; Ctrl-C at any moment (parsing, imports, loading,
     generating) exits 130 with one line."""
     try:
-        return _main(argv)
+        with _interrupts_outside_imports():
+            return _main(argv)
     except KeyboardInterrupt:
         if argv is None:  # the process exits next: a second Ctrl-C must not print a traceback
             import signal
@@ -99,6 +104,36 @@ def main(argv=None) -> int:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         print("treespec: interrupted", file=sys.stderr)
         return 130
+
+
+@contextlib.contextmanager
+def _interrupts_outside_imports():
+    """Ctrl-C raises KeyboardInterrupt as usual, except while a module is being imported: then
+    the process exits 130 with its one line there and then. Importing torch and its extensions
+    is not interrupt-safe: a KeyboardInterrupt raised inside it can be swallowed (the command
+    then runs on as if never interrupted), leave numpy half-loaded, or abort the process from
+    C++ (pybind11's ``terminate``). Nothing of treespec's is being written while a module loads,
+    so exiting at once loses nothing."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield  # not ours to change: SIGINT ignored (a background job) or handled by the caller
+        return
+    signal.signal(signal.SIGINT, _on_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _on_interrupt(signum, frame):
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            with contextlib.suppress(Exception):  # a write the signal cut short may refuse a flush
+                sys.stdout.flush()
+            os.write(sys.stderr.fileno(), b"treespec: interrupted\n")
+            os._exit(130)
+        frame = frame.f_back
+    raise KeyboardInterrupt
 
 
 def _main(argv) -> int:
