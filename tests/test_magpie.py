@@ -4,11 +4,15 @@ no training prompt of the project overlaps an evaluation set (Spec-Bench above a
 
 from __future__ import annotations
 
+import gzip
+import json
+
 import pytest
 import torch
 
 from treespec import data
-from treespec.train.magpie import EvalOverlap, filter_user_turns, generate_user_turns, normalise, user_turn_prefix
+from treespec.train.magpie import (EvalOverlap, captured_conversations, filter_follow_ups, filter_user_turns,
+                                   generate_user_turns, main, normalise, user_turn_prefix)
 
 from tiny import save_tiny_lm
 
@@ -81,9 +85,85 @@ def test_overlap_catches_copied_runs_not_common_phrases():
 
 def test_no_training_prompt_overlaps_an_evaluation_set():
     overlap = EvalOverlap.packaged()
-    generated = [n for n in ("magpie-chat", "chat-train", "stdlib-code") if n in data.DATASETS]
-    hits = [(n, r["prompt"]) for n in generated for r in data.load_dataset(n) if overlap.hits(r["prompt"])]
+    generated = [n for n in ("magpie-chat", "magpie-chat2", "chat-train", "stdlib-code") if n in data.DATASETS]
+    hits = [(n, t) for n in generated for r in data.load_dataset(n)
+            for t in ([m["content"] for m in r["messages"] if m["role"] == "user"] if "messages" in r else [r["prompt"]])
+            if overlap.hits(t)]
     assert not hits, hits[:5]
     # GSM8K train is upstream's split: exact questions only (its test split shares phrasing).
     spec_texts = {normalise(t) for r in data.load_dataset("spec-bench") for t in r["turns"]}
     assert not [r for r in data.load_dataset("gsm8k-train") if normalise(r["question"]) in spec_texts]
+
+
+# ---- second turns --------------------------------------------------------------------------------
+
+
+def write_capture(folder, tok, prompts_file, rows):
+    """A capture folder as ``treespec capture`` leaves it: answers files of (source, answer ids)."""
+    folder.mkdir()
+    with gzip.open(folder / "answers-000000-000064.jsonl.gz", "wt") as f:
+        for i, (src, ids) in enumerate(rows):
+            f.write(json.dumps({"index": i, "source": f"{prompts_file}:{src}", "sampled": False, "prompt_len": 5,
+                                "answer": ids}) + "\n")
+
+
+def test_captured_conversations_follow_the_answers_files(chat_lm, tmp_path):
+    _, tok = chat_lm
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(4)))
+    eos = tok.eos_token_id
+    say = tok("a fine answer", add_special_tokens=False)["input_ids"]
+    write_capture(tmp_path / "a", tok, prompts, [(2, say + [eos]), (0, say)])  # the second ran out of tokens
+    write_capture(tmp_path / "b", tok, prompts, [(1, say + [eos]), (3, [])])
+    convs = captured_conversations([tmp_path / "a", tmp_path / "b"], tok)
+    assert [c["source"] for c in convs] == [f"{prompts}:2", f"{prompts}:1"]
+    assert convs[0]["messages"] == [{"role": "user", "content": "question 2"},
+                                    {"role": "assistant", "content": "a fine answer"}]
+    with pytest.raises(FileNotFoundError, match="answers files"):
+        captured_conversations([tmp_path], tok)
+
+
+def test_follow_ups_that_repeat_the_first_turn_are_dropped():
+    first = [{"role": "user", "content": "How do I keep basil alive on a windowsill in winter?"},
+             {"role": "assistant", "content": "Water it sparingly."}]
+    rows = [{"prompt": p, "ended": True, "messages": first} for p in [
+        "How do I keep basil alive on a windowsill in winter??",
+        "And what about mint, does it need more light than basil?",
+        "how do i keep basil alive on a windowsill in winter",
+        "Thanks! Could you give me a watering schedule for it?",
+    ]]
+    kept, why = filter_follow_ups(rows, EvalOverlap.packaged())
+    assert [r["prompt"] for r in kept] == [rows[1]["prompt"], rows[3]["prompt"]]
+    assert why == {"repeats the first turn": 2}
+
+
+def test_follow_ups_end_to_end_are_seeded_and_written_as_conversations(tmp_path, monkeypatch):
+    folder = save_tiny_lm(tmp_path / "lm", chat_template=CHATML)
+    from treespec.models import load
+
+    model, tok = load(folder)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(3)))
+    say = tok("a fine answer", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    write_capture(tmp_path / "cap", tok, prompts, [(0, say), (1, say), (2, say)])
+    torch.set_num_threads(1)
+    argv = ["--model", str(folder), "--follow-ups", str(tmp_path / "cap"), "--batch-size", "2",
+            "--work", str(tmp_path / "w"), "--out", str(tmp_path), "--dtype", "float32"]
+    main(argv)
+    raw = [json.loads(x) for c in (0, 1) for x in (tmp_path / "w" / f"chunk-{c:05d}.jsonl").read_text().splitlines()]
+    assert [r["source"] for r in raw] == [f"{prompts}:{i}" for i in range(3)]
+    assert [r["chunk"] for r in raw] == [0, 0, 1] and {r["seed"] for r in raw} == {1}
+    # Each follow-up is the target's continuation of its own conversation, seeded per chunk.
+    convs = captured_conversations([tmp_path / "cap"], tok)
+    again = generate_user_turns(model, tok, 1, 1, chunk=1, batch_size=2, history=[convs[2]["messages"]])
+    assert again[0]["prompt"] == raw[2]["prompt"]
+    # Filtering keeps what it keeps as three-turn conversations; a re-run reuses the chunks.
+    (tmp_path / "w" / "chunk-00000.jsonl").write_text(
+        "".join(json.dumps({**r, "prompt": p, "ended": True}) + "\n" for r, p in zip(raw[:2], [
+            "Could you say more about why that works, with an example?", "question 1"])))
+    monkeypatch.setattr("treespec.train.magpie.generate_user_turns", None)  # nothing left to sample
+    main(argv)
+    rows = [json.loads(x) for x in gzip.open(tmp_path / "magpie_chat2.jsonl.gz", "rt")]
+    assert rows[0]["messages"] == [*convs[0]["messages"], {
+        "role": "user", "content": "Could you say more about why that works, with an example?"}]
+    assert rows[0]["source"] == f"{prompts}:0" and all(r["source"] != f"{prompts}:1" for r in rows)

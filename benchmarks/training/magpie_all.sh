@@ -11,7 +11,12 @@
 #            treespec/data/magpie_chat.jsonl.gz (filtering keeps order, so a larger N only appends)
 #   capture  the target's answers: magpie-chat[:256] held out (runs/cap-magpie-val, greedy), the
 #            rest (runs/cap-magpie, a fifth sampled at T=0.8), resumable shards of 64
-#   keep     copy the raw chunks (gzip -n: same chunk, same bytes) to benchmarks/data/magpie and the
+#   follow   second turns: a follow-up the target writes to each answer of cap-magpie-val, then cap-magpie
+#            (python -m treespec.train.magpie --follow-ups: chunks of 64 in runs/magpie2), filtered, written
+#            to treespec/data/magpie_chat2.jsonl.gz; the rows that follow held-out conversations come first
+#   capture2 the target's answers to the second turns: the first VAL2 rows held out (runs/cap-magpie2-val,
+#            greedy; VAL2 is what `follow` printed for cap-magpie-val's rows), the rest runs/cap-magpie2
+#   keep     copy the raw chunks (gzip -n: same chunk, same bytes) to benchmarks/data/magpie{,2} and the
 #            answers files to benchmarks/data/captures (then commit them): a chunk sampled on another
 #            machine or dtype differs, so the chunks themselves are what makes a larger N append
 # Feeds no docs table yet: the data of issue 26 (treespec/data/magpie_chat.jsonl.gz, captures).
@@ -25,12 +30,15 @@ say() { echo "== $* ($(date -u +%H:%M:%S))"; }
 if has restore; then
   say restore
   mkdir -p runs/magpie
-  for f in benchmarks/data/magpie/chunk-*.jsonl.gz; do
-    [ -e "$f" ] || continue
-    out=runs/magpie/$(basename "$f" .gz)
-    [ -e "$out" ] || gunzip -c "$f" > "$out"
+  for d in magpie magpie2; do
+    mkdir -p runs/$d
+    for f in benchmarks/data/$d/chunk-*.jsonl.gz; do
+      [ -e "$f" ] || continue
+      out=runs/$d/$(basename "$f" .gz)
+      [ -e "$out" ] || gunzip -c "$f" > "$out"
+    done
   done
-  for c in cap-magpie-val cap-magpie; do
+  for c in cap-magpie-val cap-magpie cap-magpie2-val cap-magpie2; do
     [ -d benchmarks/data/captures/$c ] || continue
     mkdir -p runs/$c && cp -n benchmarks/data/captures/$c/* runs/$c/
   done
@@ -46,11 +54,27 @@ if has capture; then
   treespec capture --data "magpie-chat[256:]" --out runs/cap-magpie --sample-share 0.2 --sample-temperature 0.8 \
     --threads "$THREADS"
 fi
+if has follow; then
+  say "follow: second turns"
+  python -m treespec.train.magpie --follow-ups benchmarks/data/captures/cap-magpie-val,benchmarks/data/captures/cap-magpie \
+    --work runs/magpie2 --out treespec/data --threads "$THREADS"
+  python -c "import treespec.data as d; print(sum(int(r['source'].split(':')[1]) < 256 for r in d.load_dataset('magpie-chat2')), 'rows follow held-out conversations')"
+fi
+if has capture2; then
+  : "${VAL2:?set VAL2 to the number of magpie-chat2 rows that follow held-out conversations (follow prints it)}"
+  say capture2 runs/cap-magpie2-val
+  treespec capture --data "magpie-chat2[:$VAL2]" --out runs/cap-magpie2-val --max-length 768 --threads "$THREADS"
+  say capture2 runs/cap-magpie2
+  treespec capture --data "magpie-chat2[$VAL2:]" --out runs/cap-magpie2 --max-length 768 --sample-share 0.2 --sample-temperature 0.8 \
+    --threads "$THREADS"
+fi
 if has keep; then
   say keep
-  mkdir -p benchmarks/data/magpie
-  for f in runs/magpie/chunk-*.jsonl; do gzip -n -c "$f" > "benchmarks/data/magpie/$(basename "$f").gz"; done
-  for c in cap-magpie-val cap-magpie; do
+  for d in magpie magpie2; do
+    mkdir -p benchmarks/data/$d
+    for f in runs/$d/chunk-*.jsonl; do [ -e "$f" ] && gzip -n -c "$f" > "benchmarks/data/$d/$(basename "$f").gz"; done
+  done
+  for c in cap-magpie-val cap-magpie cap-magpie2-val cap-magpie2; do
     [ -e runs/$c/capture.json ] && bash benchmarks/training/keep_answers.sh runs/$c
   done
 fi

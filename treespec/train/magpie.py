@@ -18,6 +18,18 @@ follows the logits' rounding). The filters are deterministic.
 Build the shipped set (resumable: chunks are kept in ``--work`` and skipped when present)::
 
     python -m treespec.train.magpie --n 32768 --work runs/magpie --out treespec/data
+
+**Second turns.** After a capture has answered first turns, the target writes a follow-up to
+each of its own answers (``history`` = the user's turn and the target's answer, as in
+MT-bench, whose second turns are asked after the model's own first answer)::
+
+    python -m treespec.train.magpie --follow-ups benchmarks/data/captures/cap-magpie-val,benchmarks/data/captures/cap-magpie \
+        --work runs/magpie2 --out treespec/data     # magpie_chat2.jsonl.gz: {"messages": [user, assistant, user]}
+
+The conversations come from the capture folders' answers files (:func:`captured_conversations`:
+answers that ended, in the folders' order), 64 per chunk, each chunk from seed ``(seed, chunk)``
+(``--seed`` defaults to 1 here, 0 for first turns); the follow-ups pass the same filters, and
+one that repeats its conversation's first turn is dropped too.
 """
 
 from __future__ import annotations
@@ -36,7 +48,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["user_turn_prefix", "generate_user_turns", "filter_user_turns", "EvalOverlap", "normalise"]
+__all__ = ["user_turn_prefix", "generate_user_turns", "filter_user_turns", "EvalOverlap", "normalise",
+           "captured_conversations", "filter_follow_ups"]
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +228,59 @@ def filter_user_turns(rows: list[dict], overlap: EvalOverlap | None = None, *, m
     return kept, why
 
 
+# ---- second turns ------------------------------------------------------------------------------
+
+
+def captured_conversations(capture_dirs, tokenizer) -> list[dict]:
+    """The conversations captures answered, as ``{"source", "messages": [..., assistant]}``.
+
+    Reads each folder's answers files (``treespec capture``; the folders' order, then the plan's):
+    a row's ``source`` (``"dataset:index"``) names its prompt, read back from that dataset, and
+    its answer tokens are decoded as the assistant's turn. Answers that ran into the capture's
+    token limit are left out (a cut answer is not a turn to follow up on)."""
+    from .data import read_jsonl
+
+    ends = _end_ids(tokenizer)
+    examples: dict[str, list] = {}
+    out = []
+    for folder in capture_dirs:
+        files = sorted(Path(folder).glob("answers-*.jsonl.gz"))
+        if not files:
+            raise FileNotFoundError(f"{folder} holds no answers files (answers-*.jsonl.gz of treespec capture)")
+        rows = [json.loads(line) for f in files for line in gzip.open(f, "rt", encoding="utf-8") if line.strip()]
+        for row in sorted(rows, key=lambda r: r["index"]):
+            answer = row["answer"]
+            if not answer or answer[-1] not in ends:
+                continue
+            name, _, idx = row["source"].rpartition(":")
+            if name not in examples:
+                examples[name] = read_jsonl(name)
+            ex = examples[name][int(idx)]
+            if ex.messages is None:
+                continue
+            text = tokenizer.decode(answer[:-1], skip_special_tokens=True).strip()
+            out.append({"source": row["source"], "messages": [*ex.messages, {"role": "assistant", "content": text}]})
+    return out
+
+
+def filter_follow_ups(rows: list[dict], overlap: EvalOverlap | None = None, *, repeat_threshold: float = 0.7,
+                      **kw) -> tuple[list[dict], Counter]:
+    """:func:`filter_user_turns` for follow-ups (``rows`` carry their ``messages``), after
+    dropping those that repeat their conversation's first user turn (word 3-gram Jaccard >=
+    ``repeat_threshold``, or the same normalised text)."""
+    fresh, why = [], Counter()
+    for row in rows:
+        first = normalise(row["messages"][0]["content"]).split()
+        text = normalise(row["prompt"]).split()
+        a, b = _ngrams(first, 3) or {tuple(first)}, _ngrams(text, 3) or {tuple(text)}
+        if first == text or len(a & b) >= repeat_threshold * len(a | b):
+            why["repeats the first turn"] += 1
+        else:
+            fresh.append(row)
+    kept, more = filter_user_turns(fresh, overlap, **kw)
+    return kept, why + more
+
+
 # ---- the shipped set ----------------------------------------------------------------------------
 
 
@@ -229,15 +295,23 @@ def _write_gz(path: Path, rows) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m treespec.train.magpie", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--n", type=int, default=32768, help="raw first-turn messages to sample (before filtering)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--n", type=int, default=None,
+                   help="raw first-turn messages to sample, before filtering (default 32768); with --follow-ups, "
+                        "at most this many follow-ups (default: one per captured conversation)")
+    p.add_argument("--follow-ups", metavar="CAPTURE[,CAPTURE]", default=None,
+                   help="write second turns instead: a follow-up to each conversation these capture folders answered")
+    p.add_argument("--seed", type=int, default=None, help="default 0 for first turns, 1 for follow-ups")
     p.add_argument("--batch-size", type=int, default=64, help="messages per chunk (each chunk has its own seed)")
     p.add_argument("--dtype", default="auto", help="auto: bf16 where the CPU has it natively, else fp32")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--work", default="runs/magpie", help="folder of raw chunks (a re-run skips those present)")
-    p.add_argument("--out", default=None, help="write magpie_chat.jsonl.gz (filtered) here, e.g. treespec/data")
+    p.add_argument("--work", default=None, help="folder of raw chunks (a re-run skips those present; default "
+                                                "runs/magpie, runs/magpie2 for follow-ups)")
+    p.add_argument("--out", default=None, help="write magpie_chat.jsonl.gz (filtered; follow-ups: "
+                                               "magpie_chat2.jsonl.gz) here, e.g. treespec/data")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    follow = args.follow_ups is not None
+    seed = args.seed if args.seed is not None else int(follow)
 
     from tqdm import tqdm
 
@@ -246,24 +320,48 @@ def main(argv=None) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    work = Path(args.work)
+    work = Path(args.work or ("runs/magpie2" if follow else "runs/magpie"))
     work.mkdir(parents=True, exist_ok=True)
-    chunks = range((args.n + args.batch_size - 1) // args.batch_size)
+    model, tok = None, None
+    if follow:  # the conversations are read with the target's tokenizer
+        model, tok = load(args.model, dtype=default_dtype() if args.dtype == "auto" else getattr(torch, args.dtype))
+        convs = captured_conversations(args.follow_ups.split(","), tok)[: args.n]
+        n = len(convs)
+    else:
+        n = args.n if args.n is not None else 32768
+    chunks = range((n + args.batch_size - 1) // args.batch_size)
     todo = [c for c in chunks if not (work / f"chunk-{c:05d}.jsonl").exists()]
     if todo:
-        model, tok = load(args.model, dtype=default_dtype() if args.dtype == "auto" else getattr(torch, args.dtype))
+        if model is None:
+            model, tok = load(args.model, dtype=default_dtype() if args.dtype == "auto" else getattr(torch, args.dtype))
         with PackedLinears(model) if packing_supported(model) else contextlib.nullcontext():
-            for c in tqdm(todo, desc="user turns", unit="chunk"):
-                rows = generate_user_turns(model, tok, args.batch_size, args.seed, chunk=c, batch_size=args.batch_size)
+            for c in tqdm(todo, desc="follow-ups" if follow else "user turns", unit="chunk"):
+                if follow:
+                    part = convs[c * args.batch_size: (c + 1) * args.batch_size]
+                    rows = generate_user_turns(model, tok, len(part), seed, chunk=c, batch_size=args.batch_size,
+                                               history=[x["messages"] for x in part])
+                    rows = [{**r, "source": x["source"]} for r, x in zip(rows, part)]
+                else:
+                    rows = generate_user_turns(model, tok, args.batch_size, seed, chunk=c, batch_size=args.batch_size)
                 tmp = work / f"chunk-{c:05d}.jsonl.tmp"
                 tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
                 tmp.replace(work / f"chunk-{c:05d}.jsonl")
     rows = [json.loads(line) for c in chunks for line in (work / f"chunk-{c:05d}.jsonl").read_text().splitlines()]
-    kept, why = filter_user_turns(rows, EvalOverlap.packaged())
+    if follow:
+        by_source = {x["source"]: x["messages"] for x in convs}
+        rows = [{**r, "messages": by_source[r["source"]]} for r in rows]
+        kept, why = filter_follow_ups(rows, EvalOverlap.packaged())
+    else:
+        kept, why = filter_user_turns(rows, EvalOverlap.packaged())
     print(f"{len(kept)} of {len(rows)} kept; dropped: {dict(why.most_common())}")
     if args.out:
-        path = Path(args.out) / "magpie_chat.jsonl.gz"
-        _write_gz(path, ({"prompt": r["prompt"], "seed": r["seed"], "chunk": r["chunk"]} for r in kept))
+        if follow:
+            path = Path(args.out) / "magpie_chat2.jsonl.gz"
+            _write_gz(path, ({"messages": [*r["messages"], {"role": "user", "content": r["prompt"]}],
+                              "source": r["source"], "seed": r["seed"], "chunk": r["chunk"]} for r in kept))
+        else:
+            path = Path(args.out) / "magpie_chat.jsonl.gz"
+            _write_gz(path, ({"prompt": r["prompt"], "seed": r["seed"], "chunk": r["chunk"]} for r in kept))
         print(f"wrote {path}")
 
 

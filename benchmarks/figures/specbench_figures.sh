@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Issue 26: Spec-Bench as its "done when" asks (bf16, packed weights, greedy, 256 new tokens, ten
+# questions per category, MT-bench both turns), side by side in one run: plain HF generate, HF
+# generate on the same packed weights, HF prompt lookup, and treespec's default (the shipped
+# head with prompt lookup on auto trees), the hybrid's chain-3 and the head alone. Feeds
+# docs/benchmarks.md, "Spec-Bench". Run on a quiet machine (nothing else on the cores): about
+# 75 minutes on a 2-core AMD EPYC Zen 4.
+#
+#   bash benchmarks/figures/specbench_figures.sh        # STEPS="spec10" (the default)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+source benchmarks/figures/steps.sh
+STEPS=${STEPS:-"spec10"}
+R=benchmarks/results
+step spec10 "$R/specbench10-256-bf16.json" treespec bench --dataset spec-bench --num-prompts 10 --max-new-tokens 256 \
+  --dtype bfloat16 --pack --no-treespec-ar --threads 2 --out "$R/specbench10-256-bf16.json" \
+  --plot-dir "$R" --plot-prefix specbench10-256-bf16-
