@@ -113,12 +113,14 @@ def test_captured_conversations_follow_the_answers_files(chat_lm, tmp_path):
     prompts.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(4)))
     eos = tok.eos_token_id
     say = tok("a fine answer", add_special_tokens=False)["input_ids"]
-    write_capture(tmp_path / "a", tok, prompts, [(2, say + [eos]), (0, say)])  # the second ran out of tokens
-    write_capture(tmp_path / "b", tok, prompts, [(1, say + [eos]), (3, [])])
+    cut = tok("a cut ans", add_special_tokens=False)["input_ids"]  # ran into the capture's token limit
+    write_capture(tmp_path / "a", tok, prompts, [(2, say + [eos]), (0, cut)])
+    write_capture(tmp_path / "b", tok, prompts, [(1, say + [eos]), (3, [eos])])  # an empty answer: no turn
     convs = captured_conversations([tmp_path / "a", tmp_path / "b"], tok)
-    assert [c["source"] for c in convs] == [f"{prompts}:2", f"{prompts}:1"]
+    assert [c["source"] for c in convs] == [f"{prompts}:2", f"{prompts}:0", f"{prompts}:1"]
     assert convs[0]["messages"] == [{"role": "user", "content": "question 2"},
                                     {"role": "assistant", "content": "a fine answer"}]
+    assert convs[1]["messages"][1]["content"] == "a cut ans"
     with pytest.raises(FileNotFoundError, match="answers files"):
         captured_conversations([tmp_path], tok)
 

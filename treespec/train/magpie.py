@@ -26,8 +26,8 @@ MT-bench, whose second turns are asked after the model's own first answer)::
     python -m treespec.train.magpie --follow-ups benchmarks/data/captures/cap-magpie-val,benchmarks/data/captures/cap-magpie \
         --work runs/magpie2 --out treespec/data     # magpie_chat2.jsonl.gz: {"messages": [user, assistant, user]}
 
-The conversations come from the capture folders' answers files (:func:`captured_conversations`:
-answers that ended, in the folders' order), 64 per chunk, each chunk from seed ``(seed, chunk)``
+The conversations come from the capture folders' answers files (:func:`captured_conversations`,
+in the folders' order), 64 per chunk, each chunk from seed ``(seed, chunk)``
 (``--seed`` defaults to 1 here, 0 for first turns); the follow-ups pass the same filters, and
 one that repeats its conversation's first turn is dropped too.
 """
@@ -236,8 +236,9 @@ def captured_conversations(capture_dirs, tokenizer) -> list[dict]:
 
     Reads each folder's answers files (``treespec capture``; the folders' order, then the plan's):
     a row's ``source`` (``"dataset:index"``) names its prompt, read back from that dataset, and
-    its answer tokens are decoded as the assistant's turn. Answers that ran into the capture's
-    token limit are left out (a cut answer is not a turn to follow up on)."""
+    its answer tokens are decoded as the assistant's turn. An answer that ran into the capture's
+    token limit is kept as it was cut, as Spec-Bench asks its second turns after first answers
+    cut at its token limit (most of the target's answers run past 256 tokens)."""
     from .data import read_jsonl
 
     ends = _end_ids(tokenizer)
@@ -249,8 +250,8 @@ def captured_conversations(capture_dirs, tokenizer) -> list[dict]:
             raise FileNotFoundError(f"{folder} holds no answers files (answers-*.jsonl.gz of treespec capture)")
         rows = [json.loads(line) for f in files for line in gzip.open(f, "rt", encoding="utf-8") if line.strip()]
         for row in sorted(rows, key=lambda r: r["index"]):
-            answer = row["answer"]
-            if not answer or answer[-1] not in ends:
+            answer = row["answer"][:-1] if row["answer"] and row["answer"][-1] in ends else row["answer"]
+            if not answer:
                 continue
             name, _, idx = row["source"].rpartition(":")
             if name not in examples:
@@ -258,7 +259,7 @@ def captured_conversations(capture_dirs, tokenizer) -> list[dict]:
             ex = examples[name][int(idx)]
             if ex.messages is None:
                 continue
-            text = tokenizer.decode(answer[:-1], skip_special_tokens=True).strip()
+            text = tokenizer.decode(answer, skip_special_tokens=True).strip()
             out.append({"source": row["source"], "messages": [*ex.messages, {"role": "assistant", "content": text}]})
     return out
 
