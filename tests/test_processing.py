@@ -13,7 +13,8 @@ from transformers import GenerationConfig
 
 from tiny import tiny_model
 from treespec import Tree
-from treespec.processing import NodeProcessor, gumbel_noise, path_tokens, resolve_generation_config
+from treespec.processing import NodeProcessor, RequestDecoding, gumbel_noise, path_tokens, resolve_generation_config
+from treespec.verify import verify_greedy
 
 VOCAB = 16
 
@@ -68,6 +69,31 @@ def test_each_node_is_processed_with_its_own_path(model, tree, options, sample, 
         path = [int(t) for t in tree.tokens[tree.attention_mask()[i]][1:]]  # root excluded
         want = proc.processors(torch.tensor([history + path]), logits[i: i + 1].clone())[0]
         assert torch.equal(got[i], want), (i, path)
+
+
+@settings(max_examples=80, deadline=None)
+@given(tree=trees(), options=configs, sample=st.booleans(), history=st.lists(st.integers(0, VOCAB - 1), min_size=1,
+                                                                                max_size=8), data=st.data())
+def test_the_walk_chooses_as_every_node_would_where_verification_looks(model, tree, options, sample, history, data):
+    # Verification processes only the nodes it reaches (RequestDecoding.walk); its verdict must
+    # be the one from every node's choice, and each reached node's choice the same.
+    if sample:
+        options.update(do_sample=True, temperature=data.draw(st.floats(0.3, 1.5)), top_p=data.draw(st.floats(0.5, 1.0)))
+    cfg = resolve_generation_config(model, GenerationConfig(max_new_tokens=8, **options))
+    proc = NodeProcessor.build(model, cfg, prompt_len=data.draw(st.integers(1, len(history))))
+    decoding = RequestDecoding(proc, seed=data.draw(st.integers(0, 2 ** 31)) if sample else None)
+    logits = torch.randn(tree.num_nodes, VOCAB)
+    parents = tree.parents.tolist()
+    for i in range(1, tree.num_nodes):  # a likely child at most nodes: long accepted paths
+        if data.draw(st.booleans()):
+            logits[parents[i], int(tree.tokens[i])] += 4
+    full = decoding.choose(history, logits, tree)
+    lazy = decoding.walk(history, logits, tree)
+    reached = lazy >= 0
+    verdict = verify_greedy([tree], full[None])[0]
+    assert verify_greedy([tree], lazy[None])[0] == verdict
+    assert torch.equal(lazy[reached], full[reached])
+    assert torch.nonzero(reached).flatten().tolist() == verdict.path  # the accepted path, nothing more
 
 
 def test_path_tokens_literal():

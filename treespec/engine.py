@@ -796,6 +796,9 @@ def _verify(trees: list[Tree], logits: list[torch.Tensor], decodings: Sequence[R
     choice = torch.zeros(len(trees), n, dtype=torch.int64, device=logits[0].device)
     kept = [] if keep_scores else None
     for i, (t, l, d, h) in enumerate(zip(trees, logits, decodings, histories)):
+        if kept is None and (d.processor or not d.greedy):  # processing costs per node: the path's alone
+            choice[i, : l.shape[0]] = d.walk(h, l, t)
+            continue
         scores = d.scores(h, l, t)
         choice[i, : l.shape[0]] = d.pick(scores, len(h), t)
         if kept is not None:

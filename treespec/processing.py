@@ -219,6 +219,31 @@ class RequestDecoding:
         """
         return self.pick(self.scores(history, logits, tree), len(history), tree)
 
+    def walk(self, history: Sequence[int], logits: torch.Tensor, tree: Tree) -> torch.Tensor:
+        """int64 ``[n]``: :meth:`choose`'s choice at the nodes verification reaches (the root,
+        then each node that carries its parent's choice), -1 at the others; the processors run
+        on those nodes alone. Verification needs no more: a node whose parent was not reached is
+        rejected whatever its parent's choice. A sampled request with top-p sorts the whole
+        vocabulary at every node it processes (milliseconds a node on a CPU), so processing the
+        three or four nodes of the accepted path instead of a tree's sixteen is most of its
+        step's processing saved; each node's choice is the one :meth:`choose` makes there (the
+        same rows through the same processors, its position's noise)."""
+        parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
+        child = {(parents[i], tokens[i]): i for i in range(1, len(parents))}
+        out = torch.full((len(parents),), -1, dtype=torch.int64, device=logits.device)
+        h = torch.as_tensor(history, dtype=torch.int64)
+        node, path = 0, []
+        while True:
+            ids = torch.cat([h, torch.tensor(path, dtype=torch.int64)])
+            row = logits[node: node + 1]
+            scores = self.processor(ids, row.clone() if row.dtype == torch.float32 else row)
+            c = int(self.pick(scores, len(h) + len(path))[0])
+            out[node] = c
+            node = child.get((node, c), -1)
+            if node < 0:
+                return out
+            path.append(c)
+
     def scores(self, history: Sequence[int], logits: torch.Tensor, tree: Tree | None = None) -> torch.Tensor:
         """``[n, V]``: each node's logits after the request's processors (what ``output_scores``
         reports); the logits themselves, in their own dtype, when there is nothing to apply."""
