@@ -13,7 +13,10 @@ from transformers import GenerationConfig
 
 from tiny import tiny_model
 from treespec import Tree
-from treespec.processing import NodeProcessor, RequestDecoding, gumbel_noise, path_tokens, resolve_generation_config
+from transformers import TopPLogitsWarper
+
+from treespec.processing import (NodeProcessor, RequestDecoding, SortFreeTopP, gumbel_noise, path_tokens,
+                                  resolve_generation_config)
 from treespec.verify import verify_greedy
 
 VOCAB = 16
@@ -94,6 +97,36 @@ def test_the_walk_chooses_as_every_node_would_where_verification_looks(model, tr
     assert verify_greedy([tree], lazy[None])[0] == verdict
     assert torch.equal(lazy[reached], full[reached])
     assert torch.nonzero(reached).flatten().tolist() == verdict.path  # the accepted path, nothing more
+
+
+@settings(max_examples=300, deadline=None)
+@given(rows=st.integers(1, 4), vocab=st.integers(2, 3000), scale=st.floats(0.1, 30), top_p=st.floats(0.01, 0.999),
+       keep=st.integers(1, 3), K=st.sampled_from([4, 64, 256]), data=st.data())
+def test_sort_free_top_p_equals_transformers(rows, vocab, scale, top_p, keep, K, data):
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2 ** 31)))
+    x = torch.randn(rows, vocab, generator=g) * scale
+    if data.draw(st.booleans()):  # ties: a few logits rounded onto a coarse grid
+        x = (x * 2).round() / 2
+    if data.draw(st.booleans()):  # tokens an earlier processor removed
+        x[:, torch.randperm(vocab, generator=g)[: vocab // 3]] = float("-inf")
+    want = TopPLogitsWarper(top_p, min_tokens_to_keep=keep)(None, x.clone())
+    fast = SortFreeTopP(top_p, min_tokens_to_keep=keep)
+    fast.K = K
+    assert torch.equal(fast(None, x.clone()), want)
+
+
+def test_sort_free_top_p_sorts_nothing_where_the_cut_is_clear(monkeypatch):
+    x = torch.zeros(2, 49152)
+    x[:, :5] = torch.tensor([20.0, 19.0, 18.5, 16.0, 13.0])  # masses .62 .23 .14 .011: the cut at 0.95 is clear
+    want = TopPLogitsWarper(0.95)(None, x.clone())
+    monkeypatch.setattr(TopPLogitsWarper, "__call__", lambda *a: pytest.fail("sorted a clear row"))
+    assert torch.equal(SortFreeTopP(0.95)(None, x.clone()), want)
+
+
+def test_node_processors_use_the_sort_free_top_p(model):
+    cfg = resolve_generation_config(model, GenerationConfig(do_sample=True, temperature=0.7, top_p=0.9))
+    procs = NodeProcessor.build(model, cfg, prompt_len=3).processors
+    assert [type(p) for p in procs if isinstance(p, TopPLogitsWarper)] == [SortFreeTopP]
 
 
 def test_path_tokens_literal():

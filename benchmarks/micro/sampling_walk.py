@@ -1,8 +1,9 @@
-"""What verification's processing costs under sampling: every tree node processed (before)
-against the accepted path's nodes alone (``RequestDecoding.walk``, now), both in one run,
-prompt by prompt, same seed (the same tokens: the walk chooses as every node would).
+"""What verification's processing costs under top-p sampling, three ways in one run, prompt
+by prompt, same seed (the same tokens, asserted): every tree node processed with
+transformers' top-p (before), the accepted path's nodes alone (``RequestDecoding.walk``), and
+the path with the sort-free top-p (``SortFreeTopP``, now).
 
-    python benchmarks/micro/sampling_walk.py --num-prompts 5 --max-new-tokens 128 --top-p 0.95
+    python benchmarks/micro/sampling_walk.py --num-prompts 6 --max-new-tokens 128 --top-p 0.95
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from treespec.drafters import HybridDrafter  # noqa: E402
 from treespec.machine import machine_info  # noqa: E402
 from treespec.models import load  # noqa: E402
 from treespec.packing import PackedLinears  # noqa: E402
-from treespec.processing import RequestDecoding  # noqa: E402
+from transformers import TopPLogitsWarper  # noqa: E402
+
+from treespec.processing import RequestDecoding, SortFreeTopP  # noqa: E402
 from treespec.prompts import load_prompts  # noqa: E402
 
 
@@ -46,33 +49,36 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model, tok = load("smollm2-135m-instruct", dtype=torch.bfloat16)
     prompts = load_prompts(args.dataset, tok, args.num_prompts)[0]
-    walk = RequestDecoding.walk
-    rows = {"every node": [], "path only": []}
+    walk, sort_free = RequestDecoding.walk, SortFreeTopP.__call__
+    variants = {"every node": (every_node, TopPLogitsWarper.__call__), "path only": (walk, TopPLogitsWarper.__call__),
+                "path, sort-free top-p": (walk, sort_free)}
+    rows = {name: [] for name in variants}
     with PackedLinears(model):
         draft = HybridDrafter(treespec.load_draft("smollm2-135m-instruct-eagle", model))
         kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p)
         treespec.generate(model, draft, args.tree, prompts[0], seed=0, **kw)  # warm-up
         for i, prompt in enumerate(prompts):
             outs = []
-            for name, fn in (("every node", every_node), ("path only", walk)):
-                RequestDecoding.walk = fn
+            for name, (fn, top_p) in variants.items():
+                RequestDecoding.walk, SortFreeTopP.__call__ = fn, top_p
                 try:
                     t = time.perf_counter()
                     out = treespec.generate(model, draft, args.tree, prompt, seed=i, **kw)
                     dt = time.perf_counter() - t
                 finally:
-                    RequestDecoding.walk = walk
+                    RequestDecoding.walk, SortFreeTopP.__call__ = walk, sort_free
                 m = out.metrics
                 rows[name].append(dict(tokens=m.num_generated, seconds=dt, steps=m.num_steps,
                                        verify_ms=m.verify_seconds / m.num_steps * 1e3))
                 outs.append(out.sequences[0])
-            assert outs[0] == outs[1], f"prompt {i}: the walk changed the tokens"
+            assert all(o == outs[0] for o in outs), f"prompt {i}: a variant changed the tokens"
     res = {"machine": machine_info(), "settings": vars(args), "rows": rows}
     for name, r in rows.items():
         tps = sum(x["tokens"] for x in r) / sum(x["seconds"] for x in r)
         res[name] = dict(tokens_per_second=tps, median_verify_ms=statistics.median(x["verify_ms"] for x in r))
-        print(f"{name:>10}: {tps:6.1f} tok/s, verify {res[name]['median_verify_ms']:.1f} ms/step (median)")
-    print(f"path only / every node: {res['path only']['tokens_per_second'] / res['every node']['tokens_per_second']:.2f}x")
+        print(f"{name:>21}: {tps:6.1f} tok/s, verify {res[name]['median_verify_ms']:.1f} ms/step (median)")
+    for name in list(variants)[1:]:
+        print(f"{name} / every node: {res[name]['tokens_per_second'] / res['every node']['tokens_per_second']:.2f}x")
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
 
