@@ -63,3 +63,20 @@ def test_bf16_greedy_on_gpu_has_no_unexplained_difference(backend):
     for p, seq in zip(PROMPTS, out.sequences):
         d = classify_divergence(ref32, p, hf_greedy(model, p, 24), seq, NEAR_TIE_TOLERANCE[torch.bfloat16])
         assert d is None or d.near_tie, d
+
+
+
+def test_processors_on_gpu_greedy_and_sampled():
+    # Verification processes reached nodes one at a time (RequestDecoding.walk), and top-p may
+    # fall back to transformers' code on some rows: the histories must reach the logits' device.
+    model = gpu_model("llama", 1).to("cuda")
+    draft = ModelDrafter(gpu_model("llama", 1).to("cuda"))
+    out = treespec.generate(model, draft, "cpu", PROMPTS, max_new_tokens=16, repetition_penalty=1.3)
+    for p, seq in zip(PROMPTS, out.sequences):
+        ids = torch.tensor([p], device="cuda")
+        hf = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                            repetition_penalty=1.3)
+        assert seq == hf[0, len(p):].tolist()
+    kw = dict(max_new_tokens=16, temperature=0.8, top_p=0.9, repetition_penalty=1.2, seed=[3, 4, 5])
+    a = treespec.generate(model, draft, "cpu", PROMPTS, **kw).sequences
+    assert a == treespec.generate(model, draft, "chain-3", PROMPTS, **kw).sequences  # a seed fixes the output

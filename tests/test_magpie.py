@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from treespec import data
-from treespec.train.magpie import (EvalOverlap, captured_conversations, filter_follow_ups, filter_user_turns,
-                                   generate_user_turns, main, normalise, user_turn_prefix)
+from treespec.train.magpie import (EvalOverlap, _chunk_done, captured_conversations, filter_follow_ups,
+                                   filter_user_turns, generate_user_turns, main, normalise, user_turn_prefix)
 
 from tiny import save_tiny_lm
 
@@ -169,3 +169,12 @@ def test_follow_ups_end_to_end_are_seeded_and_written_as_conversations(tmp_path,
     assert rows[0]["messages"] == [*convs[0]["messages"], {
         "role": "user", "content": "Could you say more about why that works, with an example?"}]
     assert rows[0]["source"] == f"{prompts}:0" and all(r["source"] != f"{prompts}:1" for r in rows)
+
+
+def test_a_follow_up_chunk_is_done_only_for_the_same_conversations(tmp_path):
+    chunk = tmp_path / "chunk-00000.jsonl"
+    assert not _chunk_done(chunk, None)
+    chunk.write_text("".join(json.dumps({"prompt": "x", "source": s}) + "\n" for s in ("a:0", "a:1")))
+    assert _chunk_done(chunk, None)  # first turns: there is all it takes
+    assert _chunk_done(chunk, [{"source": "a:0"}, {"source": "a:1"}])
+    assert not _chunk_done(chunk, [{"source": "a:0"}, {"source": "a:1"}, {"source": "a:2"}])  # the capture grew

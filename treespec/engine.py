@@ -868,8 +868,9 @@ def generate(
                     tree node with that node's own history (docs/generation.md).
         logits_processor: a ``LogitsProcessorList`` of your own, run after transformers' at
                     every node; each must be a pure function of ``(input_ids, scores)``: it is
-                    called once per tree depth on a batch of candidate histories, many of which
-                    are never committed.
+                    called on candidate histories that may never be committed, one reached node
+                    at a time during verification (the root, then each accepted node), or once
+                    per tree depth on a batch of them when ``output_scores`` asks for every node.
         tokenizer:  for ``stop_strings`` (transformers needs it too).
         output_scores: also return, per request, the processed logits each generated token
                     was chosen from (``GenerateOutput.scores``, float ``[T, V]``; per step in

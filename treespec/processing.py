@@ -1,13 +1,15 @@
-"""Generation options on trees: transformers' logits processors run at every node with that
+"""Generation options on trees: transformers' logits processors run at a node with that
 node's own history, and samples drawn by the Gumbel-max trick with noise fixed by position.
 
 **Per-node processing.** A repetition penalty, a banned n-gram, a minimum length or a user's
 own processor is a function of ``(input_ids, scores)``: the sequence so far and the next
 token's logits. At a tree node the sequence so far is the committed history followed by the
 node's path, so each node is processed with exactly the ``input_ids`` plain decoding would
-have had there. Nodes of one depth have histories of one length: each processor runs once per
-depth on a ``[nodes at that depth, L + depth]`` batch (not once per node), and the processors
-are transformers' own, built by the model's ``_get_logits_processor`` from a
+have had there. Verification walks the tree from the root and processes only the nodes it
+reaches (:meth:`RequestDecoding.walk`: the accepted path); for every node's scores
+(``output_scores``) each processor runs once per depth on a ``[nodes at that depth, L + depth]``
+batch (nodes of one depth have histories of one length). The processors are transformers' own
+(top-p in a form that gives its output without sorting: :class:`SortFreeTopP`), built by the model's ``_get_logits_processor`` from a
 ``GenerationConfig``, so the semantics are those of ``model.generate`` by construction.
 
 **Gumbel-max sampling.** The target's token at absolute position ``t`` of request ``r`` is
@@ -154,7 +156,7 @@ class NodeProcessor:
         if not self.processors:
             return scores
         if tree is None:
-            return self.processors(history[None], scores)
+            return self.processors(history[None].to(scores.device), scores)
         out = torch.empty_like(scores)
         depth = tree.depth
         for d in range(int(depth.max()) + 1):
@@ -174,8 +176,8 @@ class SortFreeTopP(TopPLogitsWarper):
     float64, and the row's cut is used when it is clear of rounding: the last kept token has
     less than ``top_p`` above it and the first dropped one at least ``top_p``, each by more than
     transformers' float32 softmax and cumulative sum can move a cumulative probability ``c``
-    (``3 V u c + 1e-5``, u = 2^-24: the worst case of summing V terms, any order, with the
-    exponentials' own errors), no tie across the cut, the cut inside the ``K`` and
+    (``3 V u c + 1e-5``, u = 2^-24: the worst case of summing V terms, any order; the constant
+    covers each term's own rounding, in ``x - max`` up to about 104 u, and in the exponential), no tie across the cut, the cut inside the ``K`` and
     ``min_tokens_to_keep`` no more than it keeps. Any other row goes through transformers' own
     code; the lower the temperature, the more rows are clear.
     """
@@ -206,7 +208,7 @@ class SortFreeTopP(TopPLogitsWarper):
         out = scores.masked_fill(~keep, self.filter_value)
         if not bool(clear.all()):
             rows = ~clear
-            ids = input_ids[rows] if input_ids is not None else None
+            ids = input_ids[rows.to(input_ids.device)] if input_ids is not None else None
             out[rows] = super().__call__(ids, scores[rows])
         return out
 

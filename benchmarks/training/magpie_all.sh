@@ -14,7 +14,8 @@
 #   follow   second turns: a follow-up the target writes to each answer of cap-magpie-val, then cap-magpie
 #            (python -m treespec.train.magpie --follow-ups: chunks of 64 in runs/magpie2), filtered, written
 #            to treespec/data/magpie_chat2.jsonl.gz; the rows that follow held-out conversations come first
-#   capture2 the target's answers to the second turns: the first VAL2 rows held out (runs/cap-magpie2-val,
+#   capture2 the target's answers to the second turns (the file by its path until the whole set is built and
+#            registered as the packaged dataset magpie-chat2): the first VAL2 rows held out (runs/cap-magpie2-val,
 #            greedy; VAL2 is what `follow` printed for cap-magpie-val's rows), the rest runs/cap-magpie2
 #   keep     copy the raw chunks (gzip -n: same chunk, same bytes) to benchmarks/data/magpie{,2} and the
 #            answers files to benchmarks/data/captures (then commit them): a chunk sampled on another
@@ -58,14 +59,14 @@ if has follow; then
   say "follow: second turns"
   python -m treespec.train.magpie --follow-ups benchmarks/data/captures/cap-magpie-val,benchmarks/data/captures/cap-magpie \
     --work runs/magpie2 --out treespec/data --threads "$THREADS"
-  python -c "import treespec.data as d; print(sum(int(r['source'].split(':')[1]) < 256 for r in d.load_dataset('magpie-chat2')), 'rows follow held-out conversations')"
+  python -c "import treespec.data as d; print(sum(int(r['source'].split(':')[1]) < 256 for r in d.read_jsonl('treespec/data/magpie_chat2.jsonl.gz')), 'rows follow held-out conversations')"
 fi
 if has capture2; then
   : "${VAL2:?set VAL2 to the number of magpie-chat2 rows that follow held-out conversations (follow prints it)}"
   say capture2 runs/cap-magpie2-val
-  treespec capture --data "magpie-chat2[:$VAL2]" --out runs/cap-magpie2-val --max-length 768 --threads "$THREADS"
+  treespec capture --data "treespec/data/magpie_chat2.jsonl.gz[:$VAL2]" --out runs/cap-magpie2-val --max-length 768 --threads "$THREADS"
   say capture2 runs/cap-magpie2
-  treespec capture --data "magpie-chat2[$VAL2:]" --out runs/cap-magpie2 --max-length 768 --sample-share 0.2 --sample-temperature 0.8 \
+  treespec capture --data "treespec/data/magpie_chat2.jsonl.gz[$VAL2:]" --out runs/cap-magpie2 --max-length 768 --sample-share 0.2 --sample-temperature 0.8 \
     --threads "$THREADS"
 fi
 if has keep; then

@@ -95,8 +95,7 @@ def main(argv=None) -> int:
     """Run one ``treespec`` command; Ctrl-C at any moment (parsing, imports, loading,
     generating) exits 130 with one line."""
     try:
-        with _interrupts_outside_imports():
-            return _main(argv)
+        return _main(argv)
     except KeyboardInterrupt:
         if argv is None:  # the process exits next: a second Ctrl-C must not print a traceback
             import signal
@@ -106,14 +105,22 @@ def main(argv=None) -> int:
         return 130
 
 
+def _import_torch() -> None:
+    """Import torch and transformers, which every command but ``--help`` runs on, with Ctrl-C
+    exiting 130 at once (its one line) while they load. Their imports are not interrupt-safe:
+    a KeyboardInterrupt raised inside them can be swallowed (the command then ran on as if
+    never interrupted), leave numpy half-loaded, or abort the process from C++ (pybind11's
+    ``terminate``). Nothing has been written yet, so exiting loses nothing; afterwards Ctrl-C
+    is a KeyboardInterrupt again (chat stops an answer with it)."""
+    with _interrupts_exit_inside_imports():
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+
+
 @contextlib.contextmanager
-def _interrupts_outside_imports():
-    """Ctrl-C raises KeyboardInterrupt as usual, except while a module is being imported: then
-    the process exits 130 with its one line there and then. Importing torch and its extensions
-    is not interrupt-safe: a KeyboardInterrupt raised inside it can be swallowed (the command
-    then runs on as if never interrupted), leave numpy half-loaded, or abort the process from
-    C++ (pybind11's ``terminate``). Nothing of treespec's is being written while a module loads,
-    so exiting at once loses nothing."""
+def _interrupts_exit_inside_imports():
+    """While active, a SIGINT that lands inside an import exits 130 with its one line; one
+    elsewhere raises KeyboardInterrupt as usual."""
     if (threading.current_thread() is not threading.main_thread()
             or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
         yield  # not ours to change: SIGINT ignored (a background job) or handled by the caller
@@ -140,7 +147,7 @@ def _on_interrupt(signum, frame):
 
 
 def _main(argv) -> int:
-    from .common import UserError
+    from .common import UserError, check_early
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -156,6 +163,8 @@ def _main(argv) -> int:
     logging.getLogger("treespec.costs").setLevel(logging.INFO)
     logging.getLogger("treespec.pack_choice").setLevel(logging.INFO)
     try:
+        check_early(args)  # mistakes that need no torch answer at once
+        _import_torch()
         with warnings.catch_warnings():
             warnings.showwarning = _show_warning
             return args.func(args) or 0

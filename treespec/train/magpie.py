@@ -271,7 +271,7 @@ def filter_follow_ups(rows: list[dict], overlap: EvalOverlap | None = None, *, r
     ``repeat_threshold``, or the same normalised text)."""
     fresh, why = [], Counter()
     for row in rows:
-        first = normalise(row["messages"][0]["content"]).split()
+        first = normalise(next(m["content"] for m in row["messages"] if m["role"] == "user")).split()
         text = normalise(row["prompt"]).split()
         a, b = _ngrams(first, 3) or {tuple(first)}, _ngrams(text, 3) or {tuple(text)}
         if first == text or len(a & b) >= repeat_threshold * len(a | b):
@@ -291,6 +291,17 @@ def _write_gz(path: Path, rows) -> None:
         for r in rows:
             f.write((json.dumps(r, ensure_ascii=False) + "\n").encode())
     path.write_bytes(buf.getvalue())
+
+
+def _chunk_done(path: Path, part: list[dict] | None) -> bool:
+    """Whether a raw chunk is there and, for follow-ups, follows exactly the conversations ``part``
+    (a chunk written when the captures held fewer answers, or others, is made again)."""
+    if not path.exists():
+        return False
+    if part is None:
+        return True
+    sources = [json.loads(line)["source"] for line in path.read_text().splitlines() if line.strip()]
+    return sources == [x["source"] for x in part]
 
 
 def main(argv=None) -> None:
@@ -331,7 +342,8 @@ def main(argv=None) -> None:
     else:
         n = args.n if args.n is not None else 32768
     chunks = range((n + args.batch_size - 1) // args.batch_size)
-    todo = [c for c in chunks if not (work / f"chunk-{c:05d}.jsonl").exists()]
+    todo = [c for c in chunks if not _chunk_done(work / f"chunk-{c:05d}.jsonl",
+                                                 convs[c * args.batch_size: (c + 1) * args.batch_size] if follow else None)]
     if todo:
         if model is None:
             model, tok = load(args.model, dtype=default_dtype() if args.dtype == "auto" else getattr(torch, args.dtype))
@@ -350,7 +362,7 @@ def main(argv=None) -> None:
     rows = [json.loads(line) for c in chunks for line in (work / f"chunk-{c:05d}.jsonl").read_text().splitlines()]
     if follow:
         by_source = {x["source"]: x["messages"] for x in convs}
-        rows = [{**r, "messages": by_source[r["source"]]} for r in rows]
+        rows = [{**r, "messages": by_source[r["source"]]} for r in rows]  # _chunk_done checked every source
         kept, why = filter_follow_ups(rows, EvalOverlap.packaged())
     else:
         kept, why = filter_user_turns(rows, EvalOverlap.packaged())
