@@ -100,19 +100,25 @@ def test_the_walk_chooses_as_every_node_would_where_verification_looks(model, tr
 
 
 @settings(max_examples=300, deadline=None)
-@given(rows=st.integers(1, 4), vocab=st.integers(2, 3000), scale=st.floats(0.1, 30), top_p=st.floats(0.01, 0.999),
-       keep=st.integers(1, 3), K=st.sampled_from([4, 64, 256]), data=st.data())
-def test_sort_free_top_p_equals_transformers(rows, vocab, scale, top_p, keep, K, data):
+@given(rows=st.integers(1, 4), vocab=st.integers(2, 3000), scale=st.floats(0.1, 30), top_p=st.floats(0.01, 1.0),
+       keep=st.integers(1, 3), K=st.sampled_from([4, 64, 256]), fill=st.sampled_from([float("-inf"), -1e4]),
+       data=st.data())
+def test_sort_free_top_p_equals_transformers(rows, vocab, scale, top_p, keep, K, fill, data):
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2 ** 31)))
     x = torch.randn(rows, vocab, generator=g) * scale
     if data.draw(st.booleans()):  # ties: a few logits rounded onto a coarse grid
         x = (x * 2).round() / 2
     if data.draw(st.booleans()):  # tokens an earlier processor removed
         x[:, torch.randperm(vocab, generator=g)[: vocab // 3]] = float("-inf")
-    want = TopPLogitsWarper(top_p, min_tokens_to_keep=keep)(None, x.clone())
-    fast = SortFreeTopP(top_p, min_tokens_to_keep=keep)
+    if data.draw(st.booleans()):  # a row with nothing left, and a row with one token left
+        x[0] = float("-inf")
+        x[-1, 1:] = float("-inf")
+    ids = torch.randint(0, vocab, (rows, 5), generator=g) if data.draw(st.booleans()) else None
+    want = TopPLogitsWarper(top_p, filter_value=fill, min_tokens_to_keep=keep)(ids, x.clone())
+    fast = SortFreeTopP(top_p, filter_value=fill, min_tokens_to_keep=keep)
     fast.K = K
-    assert torch.equal(fast(None, x.clone()), want)
+    got = fast(ids, x.clone())
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
 
 
 def test_sort_free_top_p_sorts_nothing_where_the_cut_is_clear(monkeypatch):
