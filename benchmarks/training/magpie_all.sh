@@ -14,8 +14,8 @@
 #   follow   second turns: a follow-up the target writes to each answer of cap-magpie-val, then cap-magpie
 #            (python -m treespec.train.magpie --follow-ups: chunks of 64 in runs/magpie2), filtered, written
 #            to treespec/data/magpie_chat2.jsonl.gz; the rows that follow held-out conversations come first
-#   capture2 the target's answers to the second turns (the file by its path until the whole set is built and
-#            registered as the packaged dataset magpie-chat2): the first VAL2 rows held out (runs/cap-magpie2-val,
+#   capture2 the target's answers to the second turns (treespec/data/magpie_chat2.jsonl.gz, packaged as
+#            magpie-chat2; VAL2=233 for the shipped set): the first VAL2 rows held out (runs/cap-magpie2-val,
 #            greedy; VAL2 is what `follow` printed for cap-magpie-val's rows), the rest runs/cap-magpie2
 #   keep     copy the raw chunks (gzip -n: same chunk, same bytes) to benchmarks/data/magpie{,2} and the
 #            answers files to benchmarks/data/captures (then commit them): a chunk sampled on another
