@@ -234,15 +234,22 @@ def _penalised(rules: Sequence[DraftRules | None], paths: torch.Tensor, logp: to
     for b, r in enumerate(rules):
         if r is None or r.penalty == 1.0:
             continue
-        ids = torch.cat([r.seen_ids()[None].expand(k, -1), paths[b].cpu()], dim=1)  # [k, n + d], target ids
-        if to_draft is not None:
-            ids = to_draft[ids]
-        ids = torch.where(ids >= 0, ids, V)  # a token the draft lacks: a column past the end
-        seen = torch.zeros(k, V + 1, dtype=torch.bool).scatter_(1, ids, True)[:, :V].to(logp.device)
+        seen = seen_mask(r, paths[b], V, to_draft).to(logp.device)
         if out is None:
             out = logp.clone()
         out[b] = torch.where(seen, logp[b] * r.penalty, logp[b])
     return logp if out is None else out
+
+
+def seen_mask(rule: DraftRules, paths: torch.Tensor, V: int, to_draft: torch.Tensor | None) -> torch.Tensor:
+    """bool ``[k, V]``: the tokens the repetition penalty applies to after each of ``k`` paths
+    (int64 ``[k, d]``, target ids): the rule's history and the path, in the draft's ids."""
+    k = paths.shape[0]
+    ids = torch.cat([rule.seen_ids()[None].expand(k, -1), paths.cpu()], dim=1)  # [k, n + d], target ids
+    if to_draft is not None:
+        ids = to_draft[ids]
+    ids = torch.where(ids >= 0, ids, V)  # a token the draft lacks: a column past the end
+    return torch.zeros(k, V + 1, dtype=torch.bool).scatter_(1, ids, True)[:, :V]
 
 
 def draft_constrain(rules: Sequence[DraftRules | None] | None, to_target: Callable | None = None,

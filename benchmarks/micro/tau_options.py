@@ -72,16 +72,12 @@ def shifted_penalty(offset: float):
     """A replacement for constraints._penalised: the target's rule on ``logp + offset``."""
 
     def penalised(rules, paths, logp, to_draft):
-        B, k, V = logp.shape
+        V = logp.shape[-1]
         out = logp.clone()
         for b, r in enumerate(rules):
             if r is None or r.penalty == 1.0:
                 continue
-            ids = torch.cat([r.seen_ids()[None].expand(k, -1), paths[b].cpu()], dim=1)  # as constraints does
-            if to_draft is not None:
-                ids = to_draft[ids]
-            ids = torch.where(ids >= 0, ids, V)
-            seen = torch.zeros(k, V + 1, dtype=torch.bool).scatter_(1, ids, True)[:, :V].to(logp.device)
+            seen = constraints.seen_mask(r, paths[b], V, to_draft).to(logp.device)
             raw = logp[b] + offset
             out[b] = torch.where(seen, torch.where(raw > 0, raw / r.penalty, raw * r.penalty) - offset, logp[b])
         return out
