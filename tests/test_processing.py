@@ -99,6 +99,29 @@ def test_the_walk_chooses_as_every_node_would_where_verification_looks(model, tr
     assert torch.nonzero(reached).flatten().tolist() == verdict.path  # the accepted path, nothing more
 
 
+@settings(max_examples=80, deadline=None)
+@given(tree=trees(), dtype=st.sampled_from([torch.float32, torch.bfloat16]), data=st.data())
+def test_the_plain_greedy_walk_takes_the_first_maximum_of_each_reached_row(model, tree, dtype, data):
+    # Greedy with no processors walks the path with an argmax of each reached row widened to
+    # fp32; it must choose what the tree-wide argmax in the logits' own dtype chooses, ties
+    # included (few distinct values: most rows tie at their maximum, as bf16 logits often do).
+    decoding = RequestDecoding(NodeProcessor.build(model, resolve_generation_config(
+        model, GenerationConfig(max_new_tokens=8)), prompt_len=1))
+    assert not decoding.processor
+    logits = torch.randint(0, 3, (tree.num_nodes, VOCAB)).to(dtype)
+    parents = tree.parents.tolist()
+    for i in range(1, tree.num_nodes):
+        if data.draw(st.booleans()):
+            logits[parents[i], int(tree.tokens[i])] = 3
+    full = logits.argmax(-1)
+    lazy = decoding.walk([1], logits, tree)
+    reached = lazy >= 0
+    verdict = verify_greedy([tree], full[None])[0]
+    assert verify_greedy([tree], lazy[None])[0] == verdict
+    assert torch.equal(lazy[reached], full[reached])
+    assert torch.nonzero(reached).flatten().tolist() == verdict.path
+
+
 @settings(max_examples=300, deadline=None)
 @given(rows=st.integers(1, 4), vocab=st.integers(2, 3000), scale=st.floats(0.1, 30), top_p=st.floats(0.01, 1.0),
        keep=st.integers(1, 3), K=st.sampled_from([4, 64, 256]), fill=st.sampled_from([float("-inf"), -1e4]),

@@ -796,7 +796,9 @@ def _verify(trees: list[Tree], logits: list[torch.Tensor], decodings: Sequence[R
     choice = torch.zeros(len(trees), n, dtype=torch.int64, device=logits[0].device)
     kept = [] if keep_scores else None
     for i, (t, l, d, h) in enumerate(zip(trees, logits, decodings, histories)):
-        if kept is None and (d.processor or not d.greedy):  # processing costs per node: the path's alone
+        # Processing costs per node, and on a CPU so does a plain argmax: the path's alone. (On
+        # a GPU one argmax over the tree is cheaper than a host sync per node of the path.)
+        if kept is None and (d.processor or not d.greedy or l.device.type == "cpu"):
             choice[i, : l.shape[0]] = d.walk(h, l, t)
             continue
         scores = d.scores(h, l, t)
