@@ -1,14 +1,20 @@
-"""The draft's share of a decoding step, before and after the lean single-request pass of the
-EAGLE session (issue 29), in one run: every prompt through each variant in turn, the shipped
-head with prompt lookup and the default ``auto`` tree, greedy, packed weights.
+"""The draft's share of a decoding step, and what verification costs, variant by variant in
+one run (issue 29): every prompt through each variant in turn, the shipped head with prompt
+lookup and the default ``auto`` tree, greedy, packed weights.
 
-Variants: ``general`` (the batch-planned pass every request took before), ``lean`` (the
-default now). Both draft the same trees (tests/test_eagle.py), so the tokens and the steps are
-the same and only the time differs. Per variant: draft and verify milliseconds per step, the
-draft's share of the decode time, tokens per second, and the medians over prompts.
+Variants (``--variants``, in the order given):
+  ``general``   the batch-planned EAGLE pass every request took before the lean one, and
+                greedy verification's argmax over every row of the tree;
+  ``lean``      the lean single-request pass (``EagleSession._run_one``), argmax over every row;
+  ``lean+path`` the lean pass, and greedy verification's argmax over the rows it reaches alone,
+                widened to fp32 (``RequestDecoding.walk``: the default now).
+All draft the same trees (tests/test_eagle.py) and verify to the same verdicts
+(tests/test_processing.py), so only the time differs, except where ``auto`` sizes a tree from
+the step's measured times. Per variant: draft and verify milliseconds per step, the draft's
+share of the decode time, tokens per second, and the medians over prompts.
 
     python benchmarks/micro/draft_share.py --num-prompts 50 --max-new-tokens 256 \\
-        --out benchmarks/results/draft-share-gsm8k50.json
+        --variants general,lean --out benchmarks/results/draft-share-gsm8k50.json
 
 Feeds docs/benchmarks.md, "The draft's share of a step". Timing: run it with nothing else on
 the cores.
@@ -34,24 +40,32 @@ from treespec.drafters import HybridDrafter  # noqa: E402
 from treespec.drafters import eagle  # noqa: E402
 from treespec.models import load  # noqa: E402
 from treespec.packing import PackedLinears  # noqa: E402
+from treespec.processing import RequestDecoding  # noqa: E402
 from treespec.prompts import load_prompts  # noqa: E402
 
-VARIANTS = ("general", "lean")
+VARIANTS = ("general", "lean", "lean+path")
 
 
 class _Switch:
-    """Whether new EAGLE sessions take the lean pass (it is on by default)."""
+    """Whether new EAGLE sessions take the lean pass, and whether greedy verification takes the
+    argmax of the reached rows alone (both on by default)."""
 
     def __init__(self):
-        self.lean = True
-        start = eagle.EagleSession.__init__
+        self.lean = self.path = True
+        start, walk = eagle.EagleSession.__init__, RequestDecoding.walk
         switch = self
 
         def init(session, *a, **kw):
             start(session, *a, **kw)
             session.lean = session.lean and switch.lean
 
+        def every_row(decoding, history, logits, tree):  # before: the argmax of every row, in their dtype
+            if switch.path or decoding.processor or not decoding.greedy:
+                return walk(decoding, history, logits, tree)
+            return decoding.choose(history, logits, tree)
+
         eagle.EagleSession.__init__ = init
+        RequestDecoding.walk = every_row
 
 
 def main() -> None:
@@ -63,8 +77,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     ap.add_argument("--no-pack", action="store_true")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    variants = args.variants.split(",")
+    if bad := [v for v in variants if v not in VARIANTS]:
+        ap.error(f"unknown variant(s) {', '.join(bad)}: choose from {', '.join(VARIANTS)}")
     torch.set_num_threads(args.threads)
     model, tok = load("smollm2-135m-instruct", dtype=getattr(torch, args.dtype))
     head = treespec.load_draft("smollm2-135m-instruct-eagle", model)
@@ -72,29 +90,29 @@ def main() -> None:
     prompts, _ = load_prompts(args.dataset, tok, args.num_prompts)
     switch = _Switch()
     packed = PackedLinears(model, head.head) if not args.no_pack else None
-    rows = {v: [] for v in VARIANTS}
+    rows = {v: [] for v in variants}
     same = True
     print(machine_line(args.dtype, "packed" if packed else "plain weights"), flush=True)
     with packed or contextlib.nullcontext():
         treespec.generate(model, draft, args.tree, prompts[0], max_new_tokens=16)  # warm-up
         for i, p in enumerate(prompts):
             outs = []
-            for v in VARIANTS:
-                switch.lean = v == "lean"
+            for v in variants:
+                switch.lean, switch.path = v != "general", v == "lean+path"
                 m = (out := treespec.generate(model, draft, args.tree, p, max_new_tokens=args.max_new_tokens)).metrics
                 outs.append(out.sequences[0])
                 rows[v].append({"draft_s": m.draft_seconds, "verify_s": m.verify_seconds,
                                 "decode_s": m.decode_seconds, "steps": m.num_steps, "tokens": m.num_generated,
                                 "seconds": m.total_seconds})
-            same &= outs[0] == outs[1]
+            same &= all(o == outs[0] for o in outs)
             print(f"{i + 1}/{len(prompts)} " + ", ".join(
                 f"{v} draft {1e3 * rows[v][-1]['draft_s'] / max(rows[v][-1]['steps'], 1):.1f} ms/step"
-                for v in VARIANTS), flush=True)
+                for v in variants), flush=True)
     res = {"command": command("benchmarks/micro/draft_share.py", sys.argv[1:]),
            "machine": machine_line(args.dtype), "dataset": args.dataset, "tree": args.tree,
            "draft": "smollm2-135m-instruct-eagle+lookup", "packed": packed is not None, "same_tokens": same,
            "variants": {}}
-    for v in VARIANTS:
+    for v in variants:
         r = rows[v]
         steps = sum(x["steps"] for x in r)
         draft, verify, decode = (sum(x[k] for x in r) for k in ("draft_s", "verify_s", "decode_s"))
@@ -108,10 +126,10 @@ def main() -> None:
             "tokens_per_s_median": round(statistics.median(x["tokens"] / x["seconds"] for x in r), 2),
             "tau": round((sum(x["tokens"] for x in r) - len(r)) / steps, 3),
         }
-    print(f"{'variant':8} {'draft ms/step':>13} {'verify ms/step':>14} {'step ms':>8} {'share':>6} "
+    print(f"{'variant':9} {'draft ms/step':>13} {'verify ms/step':>14} {'step ms':>8} {'share':>6} "
           f"{'median share':>12} {'tok/s':>6} {'tau':>5}")
     for v, s in res["variants"].items():
-        print(f"{v:8} {s['draft_ms_per_step']:13.2f} {s['verify_ms_per_step']:14.2f} {s['step_ms']:8.2f} "
+        print(f"{v:9} {s['draft_ms_per_step']:13.2f} {s['verify_ms_per_step']:14.2f} {s['step_ms']:8.2f} "
               f"{s['draft_share']:6.3f} {s['draft_share_median']:12.3f} {s['tokens_per_s']:6.2f} {s['tau']:5.2f}")
     print(f"same tokens: {same}")
     if args.out:
