@@ -1,5 +1,6 @@
 """Mean accepted length (tau) with generation options, drafts that honour them against drafts
-that do not, the shipped head with prompt lookup on fixed trees.
+that do not, the shipped head with prompt lookup on fixed trees (``--drafts head,lookup``:
+each alone).
 
 Feeds docs/generation.md, "What the options cost". Greedy, bf16; the prompts: GSM8K test
 questions and Spec-Bench conversation first turns. tau depends only on the tokens, not on
@@ -105,15 +106,21 @@ def main() -> None:
     p.add_argument("--options", default=",".join(OPTIONS), help="which rows of OPTIONS, comma-separated")
     p.add_argument("--modes", default="all,bans,blind",
                    help="the drafts' knowledge of the options to run (shifted: only with --penalty-offset)")
+    p.add_argument("--drafts", default="hybrid",
+                   help="comma-separated: hybrid (the shipped head with prompt lookup), head, lookup")
     p.add_argument("--penalty-offset", default=None,
                    help="also run drafts 'shifted' (see above) with this offset; 'lse' for the target's median")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model, tok = load("smollm2-135m-instruct", dtype=torch.bfloat16)
-    draft = HybridDrafter(treespec.load_draft("smollm2-135m-instruct-eagle", model))
+    head = treespec.load_draft("smollm2-135m-instruct-eagle", model)
+    hybrid = HybridDrafter(head)
+    drafts = {"hybrid": hybrid, "head": head, "lookup": hybrid.lookup}
+    if bad := [d for d in args.drafts.split(",") if d not in drafts]:
+        p.error(f"unknown --drafts {', '.join(bad)}: choose from {', '.join(drafts)}")
     sets = {name: load_prompts(name, tok, args.num_prompts)[0] for name in ("gsm8k", "spec-bench:conversation")}
     res = {"treespec": treespec.__file__, "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
-           "draft": "smollm2-135m-instruct-eagle+lookup", "dtype": "bfloat16", "tau": {}}
+           "drafts": {d: str(drafts[d]) for d in args.drafts.split(",")}, "dtype": "bfloat16", "tau": {}}
     honour = DraftRules.__dict__["from_processors"]  # the classmethod itself, to put back
     offset = None
     if args.penalty_offset is not None:
@@ -121,30 +128,32 @@ def main() -> None:
                   else float(args.penalty_offset))
         res["penalty_offset"] = round(offset, 3)
         print(f"penalty offset {offset:.2f}", flush=True)
-    for dataset, prompts in sets.items():
-        for tree in args.trees.split(","):
-            for name in args.options.split(","):
-                options = OPTIONS[name]
-                modes = tuple(args.modes.split(",")) if options else ("all",)
-                if offset is not None and options.get("repetition_penalty") and "shifted" not in modes:
-                    modes += ("shifted",)
-                for mode in modes:
-                    DraftRules.from_processors = honour if mode in ("all", "shifted") else rules_for(mode)
-                    if mode == "shifted":
-                        constraints._penalised = shifted_penalty(offset)
-                    try:
-                        t, outs = tau(model, draft, tree, prompts, args.max_new_tokens, options)
-                    finally:
-                        DraftRules.from_processors = honour
-                        constraints._penalised = _PENALISED
-                    key = f"{dataset} {tree} {name} drafts {mode}"
-                    res["tau"][key] = round(t, 3)
-                    res.setdefault("outputs", {})[key] = outs
-                    print(f"{key}: tau {t:.3f}", flush=True)
-            for name in args.options.split(","):  # the drafts change the speed, never the tokens
-                outs = [v for k, v in res["outputs"].items() if k.startswith(f"{dataset} {tree} {name} drafts ")]
-                if OPTIONS[name] and len(outs) > 1:
-                    res.setdefault("same_tokens", {})[f"{dataset} {tree} {name}"] = all(o == outs[0] for o in outs)
+    runs = [(d, ps, x, t) for d, ps in sets.items() for x in args.drafts.split(",") for t in args.trees.split(",")]
+    for dataset, prompts, dname, tree in runs:
+        draft = drafts[dname]
+        label = "" if dname == "hybrid" else f" {dname}"  # the hybrid's keys as before
+        for name in args.options.split(","):
+            options = OPTIONS[name]
+            modes = tuple(args.modes.split(",")) if options else ("all",)
+            if offset is not None and options.get("repetition_penalty") and "shifted" not in modes:
+                modes += ("shifted",)
+            for mode in modes:
+                DraftRules.from_processors = honour if mode in ("all", "shifted") else rules_for(mode)
+                if mode == "shifted":
+                    constraints._penalised = shifted_penalty(offset)
+                try:
+                    t, outs = tau(model, draft, tree, prompts, args.max_new_tokens, options)
+                finally:
+                    DraftRules.from_processors = honour
+                    constraints._penalised = _PENALISED
+                key = f"{dataset}{label} {tree} {name} drafts {mode}"
+                res["tau"][key] = round(t, 3)
+                res.setdefault("outputs", {})[key] = outs
+                print(f"{key}: tau {t:.3f}", flush=True)
+        for name in args.options.split(","):  # the drafts change the speed, never the tokens
+            outs = [v for k, v in res["outputs"].items() if k.startswith(f"{dataset}{label} {tree} {name} drafts ")]
+            if OPTIONS[name] and len(outs) > 1:
+                res.setdefault("same_tokens", {})[f"{dataset}{label} {tree} {name}"] = all(o == outs[0] for o in outs)
     res.pop("outputs")
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
