@@ -172,3 +172,79 @@ def test_per_category_figures_and_overall_is_their_mean(chat_lm):
     assert table[0].split() == ["config", "conv", "transl", "summ", "qa", "math", "rag", "tau", "overall"]
     assert table[4].split()[-1] == f"{spec['overall_speedup']:.2f}x"  # the leaderboard's row
     assert format_table(data, wide=True, legend=False).splitlines()[0].split()[1:7] == list(SPEC_BENCH_CATEGORIES)
+
+
+# ---- a long run resumes from its journal --------------------------------------------------
+
+
+def test_a_stopped_run_resumes_from_its_journal(chat_lm, tmp_path, caplog):
+    model, tok = chat_lm
+    prompts, _ = load_bench_prompts("spec-bench", tok, 1)  # six questions, the first with two turns
+    journal = tmp_path / "bench.jsonl"
+    full = run_bench(model, prompts, _configs(), max_new_tokens=4, tokenizer=tok, warmup=False)
+
+    def stop_after_three(progress):
+        if progress.stage == "prompts" and progress.done == 3 and progress.config is None:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_bench(model, prompts, _configs(), max_new_tokens=4, tokenizer=tok, warmup=False, journal=journal,
+                  callback=stop_after_three)
+    lines = journal.read_text().splitlines()
+    assert len(lines) == 1 + 3  # the settings, then prompts 0, 1, 2
+
+    ran = []
+    res = run_bench(model, prompts, _configs(), max_new_tokens=4, tokenizer=tok, warmup=False, journal=journal,
+                    callback=lambda p: ran.append(p.done) if p.config is not None else None)
+    assert sorted(set(ran)) == [3, 4, 5]  # only the prompts the journal lacked were run
+    assert any("resumed: the first 3 prompt(s)" in n for n in res.notes)
+    for a, b in zip(res.results, full.results):
+        assert [r.tokens for r in a.runs] == [r.tokens for r in b.runs]
+        assert a.runs[0].turn_lengths == b.runs[0].turn_lengths and len(a.runs[0].turn_lengths) == 2
+    spec = res.results[-1]
+    assert spec.runs[0].metrics["num_steps"] > 0  # treespec's counters came back with the record
+    assert len(journal.read_text().splitlines()) == 1 + 6
+
+    # Read back whole: nothing runs, the same figures.
+    again = run_bench(model, prompts, _configs(), max_new_tokens=4, tokenizer=tok, warmup=False, journal=journal)
+    assert [r.seconds for r in again.results[-1].runs] == [r.seconds for r in spec.runs]
+
+    # A line cut short by a stop mid-write: that prompt runs again.
+    journal.write_text("\n".join(journal.read_text().splitlines()[:6]) + "\n" + '{"prompt": 5, "ru')
+    with caplog.at_level(logging.WARNING, logger="treespec.bench"):
+        ran.clear()
+        run_bench(model, prompts, _configs(), max_new_tokens=4, tokenizer=tok, warmup=False, journal=journal,
+                  callback=lambda p: ran.append(p.done) if p.config is not None else None)
+    assert "cut short" in caplog.text and sorted(set(ran)) == [5]
+    assert len(journal.read_text().splitlines()) == 1 + 6
+
+
+def test_a_journal_of_other_settings_is_refused(chat_lm, tmp_path):
+    model, tok = chat_lm
+    prompts, _ = load_bench_prompts("spec-bench:qa", tok, 1)
+    journal = tmp_path / "bench.jsonl"
+    run_bench(model, prompts, _configs(), max_new_tokens=3, tokenizer=tok, warmup=False, journal=journal)
+    with pytest.raises(ValueError, match=r"other settings \(max_new_tokens differ\)"):
+        run_bench(model, prompts, _configs(), max_new_tokens=4, tokenizer=tok, warmup=False, journal=journal)
+    with pytest.raises(ValueError, match=r"configs differ"):
+        run_bench(model, prompts, _configs()[1:], max_new_tokens=3, tokenizer=tok, warmup=False, journal=journal)
+    other, _ = load_bench_prompts("spec-bench:rag", tok, 1)
+    with pytest.raises(ValueError, match=r"prompts differ"):
+        run_bench(model, other, _configs(), max_new_tokens=3, tokenizer=tok, warmup=False, journal=journal)
+    (tmp_path / "notes.txt").write_text("hello\n")
+    with pytest.raises(ValueError, match="not a treespec bench journal"):
+        run_bench(model, prompts, _configs(), max_new_tokens=3, tokenizer=tok, warmup=False,
+                  journal=tmp_path / "notes.txt")
+
+
+def test_the_journal_keeps_a_judged_difference(tmp_path):
+    from treespec.bench import RunRecord, _Journal
+    from treespec.divergence import Divergence
+
+    path = tmp_path / "j.jsonl"
+    book = _Journal(path, {"k": 1})
+    d0 = Divergence(position=3, reference_token=7, token=9, fp32_shortfall=0.01, tolerance=0.5)
+    book.append(0, {"a": RunRecord([1, 2], 0.5, {"num_steps": 2}, [[4, 5]], [2])}, {"a": d0})
+    (runs, divergences), = _Journal(path, {"k": 1}).done
+    assert runs["a"] == RunRecord([1, 2], 0.5, {"num_steps": 2}, [], [2])  # the turns' prompts are not kept
+    assert divergences["a"] == d0 and divergences["a"].near_tie

@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import json
 import logging
 import statistics
 import time
@@ -346,6 +348,7 @@ def run_bench(
     options: dict | None = None,
     tokenizer=None,
     packing=None,
+    journal: str | Path | None = None,
 ) -> BenchResult:
     """Run every configuration on every prompt (configurations inner, prompts outer).
 
@@ -373,6 +376,11 @@ def run_bench(
         tokenizer: for ``stop_strings`` among the options (transformers needs it too), and
                   to template a multi-turn prompt's later turns.
         packing:  the :class:`~treespec.pack_choice.PackingChoice` behind the ``fast`` flags.
+        journal:  a JSONL file each finished prompt is appended to (every configuration's
+                  record and judgement), so that a run stopped part way resumes: given the file
+                  of an earlier run with the same settings, its prompts are read back, not run
+                  again (their timings are that run's; ``auto`` trees start the rest from
+                  their start-up profile again). A file of other settings is refused.
     """
     sp = SamplingParams(temperature, top_k, top_p, min_p)
     gen = dict(options=dict(options or {}), tokenizer=tokenizer)
@@ -386,6 +394,24 @@ def run_bench(
     dtype = next(model.parameters()).dtype
     judge = _Judge(NEAR_TIE_TOLERANCE.get(dtype, 1.0) if near_tie_tolerance is None else near_tie_tolerance, gen)
 
+    book = None
+    if journal is not None:
+        key = _journal_key(prompts, active, sp, max_new_tokens, seed, gen["options"], dtype, packing)
+        book = _Journal(Path(journal), key)
+        for i, (runs, divergences) in enumerate(book.done[: len(prompts)]):
+            for r in active:
+                r.runs.append(runs[r.config.name])
+                if r.config.name in divergences:
+                    d = divergences[r.config.name]
+                    r.mismatches.append(i)
+                    r.first_diff[i] = d.position
+                    r.divergences[i] = d
+        if book.done:
+            notes.append(f"resumed: the first {len(book.done)} prompt(s) were run by an earlier process with the same "
+                         f"settings and read back from {Path(journal).name} (their timings are that run's)")
+    done = len(book.done) if book is not None else 0
+    if done >= len(prompts):
+        warmup = False
     if warmup:  # first calls run several times slower (allocations, kernel selection)
         for i, r in enumerate(active):
             _run_one(model, r.config, list(prompts[0].ids[:16]), min(16, max_new_tokens), sp, seed, attention_backend,
@@ -393,6 +419,9 @@ def run_bench(
             callback(BenchProgress("warmup", i + 1, len(active), r.config.name))
 
     for i, prompt in enumerate(prompts):
+        if i < done:
+            callback(BenchProgress("prompts", i + 1, len(prompts), None))
+            continue
         s = None if seed is None else seed + i
         for r in active:
             callback(BenchProgress("prompts", i, len(prompts), r.config.name))
@@ -402,10 +431,78 @@ def run_bench(
             log.info("prompt %d %s: %d tokens, %.1f tokens/s", i, r.config.name, len(rec.tokens), rec.tokens_per_second)
             if sp.greedy and r is not results[0] and rec.tokens != results[0].runs[i].tokens:
                 judge(model, r, i, results[0].runs[i], rec)
+        if book is not None:
+            book.append(i, {r.config.name: r.runs[i] for r in active},
+                        {r.config.name: r.divergences[i] for r in active if i in r.divergences})
         callback(BenchProgress("prompts", i + 1, len(prompts), None))
     return BenchResult([len(p.ids) for p in prompts], results, sp, max_new_tokens, seed, notes,
                        dtype=str(dtype).removeprefix("torch."), fast_path=getattr(fast_path, "description", None),
                        categories=[p.category for p in prompts], turns=[p.num_turns for p in prompts], packing=packing)
+
+
+def _journal_key(prompts: list[Prompt], active: list[ConfigResult], sp: SamplingParams, max_new_tokens: int,
+                 seed: int | None, options: dict, dtype, packing) -> dict:
+    """What a journal's records depend on: a resumed run must match it in every field."""
+    digest = hashlib.sha256(json.dumps([[list(p.ids), p.category, p.num_turns] for p in prompts]).encode()).hexdigest()
+    return {
+        "configs": [{**r.config.describe(), "fast": r.config.fast} for r in active],
+        "prompts": f"{len(prompts)} prompts, sha256 {digest[:16]}",
+        "max_new_tokens": max_new_tokens, "sampling": dataclasses.asdict(sp), "seed": seed,
+        "options": {k: repr(v) for k, v in sorted(options.items())}, "dtype": str(dtype).removeprefix("torch."),
+        "packed": None if packing is None else bool(packing.pack), "threads": torch.get_num_threads(),
+        # Timings of one machine only: another CPU or library version starts a new journal.
+        "machine": {k: v for k, v in machine_info().items() if k in ("cpu", "cpu_count", "torch", "transformers", "cuda")},
+    }
+
+
+class _Journal:
+    """:func:`run_bench`'s journal: a header line with the run's settings (:func:`_journal_key`),
+    then one line per finished prompt, in order."""
+
+    VERSION = 1
+
+    def __init__(self, path: Path, key: dict):
+        self.path, self.done = path, []
+        key = json.loads(json.dumps(key))  # as it reads back (tuples become lists)
+        if not path.exists() or path.stat().st_size == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"treespec_bench_journal": self.VERSION, "key": key}) + "\n")
+            return
+        lines = path.read_text().splitlines()
+        try:
+            head = json.loads(lines[0])
+            old = head["key"]
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f"{path} is not a treespec bench journal: give a new file or remove it") from None
+        if head.get("treespec_bench_journal") != self.VERSION or old != key:
+            diff = sorted(k for k in key.keys() | old.keys() if key.get(k) != old.get(k)) or ["version"]
+            raise ValueError(f"{path} journals a run with other settings ({', '.join(diff)} differ): resume with the "
+                             f"same command, or give a new journal file")
+        for n, line in enumerate(lines[1:], start=2):
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                if n == len(lines):  # the process stopped while writing it: that prompt runs again
+                    log.warning("%s: line %d is cut short; its prompt runs again", path, n)
+                    self._rewrite(lines[: n - 1])
+                    break
+                raise ValueError(f"{path}: line {n} is not JSON: give a new journal file") from None
+            if rec.get("prompt") != len(self.done):
+                raise ValueError(f"{path}: line {n} holds prompt {rec.get('prompt')}, expected {len(self.done)}")
+            self.done.append(({c: RunRecord(**r) for c, r in rec["runs"].items()},
+                              {c: Divergence(**d) for c, d in rec["divergences"].items()}))
+
+    def _rewrite(self, lines: list[str]) -> None:
+        self.path.write_text("".join(line + "\n" for line in lines))
+
+    def append(self, i: int, runs: dict[str, RunRecord], divergences: dict[str, Divergence]) -> None:
+        # Without turn_prompts: only the judge reads them, while the prompt runs, and a long
+        # prompt's ids (thousands for RAG) would be most of the file.
+        rec = {"prompt": i, "runs": {c: {**dataclasses.asdict(r), "turn_prompts": []} for c, r in runs.items()},
+               "divergences": {c: dataclasses.asdict(d) for c, d in divergences.items()}}
+        with self.path.open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
 
 
 def _as_prompts(prompts, tokenizer) -> list[Prompt]:

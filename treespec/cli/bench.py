@@ -59,6 +59,10 @@ def add_arguments(p):
                    help="the whole table: medians over prompts, acceptance by draft position, full configuration "
                         "and category names (default: fits 100 columns)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--journal", default=None, metavar="FILE.jsonl",
+                   help="append each finished prompt to this file, and resume from it: the same command run again "
+                        "after a stop reads back the prompts it holds and runs the rest (a file written with other "
+                        "settings is refused)")
     p.add_argument("--plot-dir", default=None, help="write PNG plots into this folder")
     p.add_argument("--plot-prefix", default=None,
                    help="file name prefix of the PNGs (default: the --out file's name and '-', e.g. r- for r.json; "
@@ -132,7 +136,8 @@ def run(args):
     res = run_bench(loaded.model, prompts, configs, max_new_tokens=args.max_new_tokens, temperature=sp.temperature,
                     top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p, seed=args.seed, warmup=args.warmup,
                     attention_backend=args.backend, callback=bars, fast_path=loaded.fast, auto_profile=profile,
-                    options=generation_options(args), tokenizer=loaded.tokenizer, packing=loaded.packing)
+                    options=generation_options(args), tokenizer=loaded.tokenizer, packing=loaded.packing,
+                    journal=args.journal)
     bars.close()
     data = to_json(res, command="treespec " + shlex.join(portable(a) for a in args.argv), model=args.model,
                    dataset=portable(args.dataset), prompt_format=fmt)
