@@ -8,8 +8,9 @@
 #
 #   bash benchmarks/figures/specbench_figures.sh        # STEPS="spec10" (the default)
 #
-# spec480: all 480 questions (80 per category), the default configuration beside plain HF generate
-# and HF generate on the same packed weights, a few hours on two cores: it keeps a journal
+# spec480: all 480 questions (80 per category): the default configuration and the hybrid's chain-3
+# (issue 26 item 5: which to pick per category) beside plain HF generate, HF generate on the same
+# packed weights and HF prompt lookup, about six hours on two cores: it keeps a journal
 # (benchmarks/results/specbench480-256-bf16.jsonl, committed as it grows) and the same command
 # resumes from it after a stop, in this session or a later one on the same machine type:
 #   STEPS=spec480 bash benchmarks/figures/specbench_figures.sh
@@ -22,6 +23,7 @@ step spec10 "$R/specbench10-256-bf16.json" treespec bench --dataset spec-bench -
   --dtype bfloat16 --pack --no-treespec-ar --threads 2 --out "$R/specbench10-256-bf16.json" \
   --plot-dir "$R" --plot-prefix specbench10-256-bf16-
 step spec480 "$R/specbench480-256-bf16.json" treespec bench --dataset spec-bench --num-prompts 80 --max-new-tokens 256 \
-  --dtype bfloat16 --pack --no-treespec-ar --no-hf-lookup --config smollm2-135m-instruct-eagle+lookup@auto --threads 2 \
+  --dtype bfloat16 --pack --no-treespec-ar --config smollm2-135m-instruct-eagle+lookup@auto \
+  --config smollm2-135m-instruct-eagle+lookup@chain-3 --threads 2 \
   --journal "$R/specbench480-256-bf16.jsonl" --out "$R/specbench480-256-bf16.json" --plot-dir "$R" \
   --plot-prefix specbench480-256-bf16-
