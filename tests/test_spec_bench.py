@@ -5,6 +5,7 @@ A tiny fp32 llama with a ChatML template; a few tokens a turn."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -205,18 +206,43 @@ def test_a_stopped_run_resumes_from_its_journal(chat_lm, tmp_path, caplog):
     assert spec.runs[0].metrics["num_steps"] > 0  # treespec's counters came back with the record
     assert len(journal.read_text().splitlines()) == 1 + 6
 
-    # Read back whole: nothing runs, the same figures.
-    again = run_bench(model, prompts, _configs(), max_new_tokens=4, tokenizer=tok, warmup=False, journal=journal)
+    # Read back whole: nothing runs (no warm-up either), the same figures; a judged difference
+    # in the journal comes back as one (put there by hand: greedy here never differs).
+    lines = journal.read_text().splitlines()
+    rec = json.loads(lines[2])
+    rec["divergences"][spec.config.name] = dict(position=1, reference_token=5, token=6, fp32_shortfall=9.0,
+                                                tolerance=0.5)
+    journal.write_text("\n".join(lines[:2] + [json.dumps(rec)] + lines[3:]) + "\n")
+    stages = []
+    again = run_bench(model, prompts, _configs(), max_new_tokens=4, tokenizer=tok, warmup=True, journal=journal,
+                      callback=lambda p: stages.append(p.stage))
+    assert "warmup" not in stages
     assert [r.seconds for r in again.results[-1].runs] == [r.seconds for r in spec.runs]
+    figures = {c["name"]: c for c in to_json(again)["configs"]}
+    assert figures[spec.config.name]["mismatches"] == 1 and figures[spec.config.name]["unexplained"] == 1
+    assert figures[spec.config.name]["divergences"]["1"]["kind"] == "unexplained"
+    assert again.treespec_unexplained == 1
+    first = {c["name"]: c for c in to_json(res)["configs"]}
+    for name, c in figures.items():  # all else as the run that wrote it
+        if name != spec.config.name:
+            assert {k: v for k, v in c.items() if k != "divergences"} == \
+                {k: v for k, v in first[name].items() if k != "divergences"}
 
     # A line cut short by a stop mid-write: that prompt runs again.
-    journal.write_text("\n".join(journal.read_text().splitlines()[:6]) + "\n" + '{"prompt": 5, "ru')
+    journal.write_text("\n".join(lines[:6]) + "\n" + '{"prompt": 5, "ru')
     with caplog.at_level(logging.WARNING, logger="treespec.bench"):
         ran.clear()
         run_bench(model, prompts, _configs(), max_new_tokens=4, tokenizer=tok, warmup=False, journal=journal,
                   callback=lambda p: ran.append(p.done) if p.config is not None else None)
     assert "cut short" in caplog.text and sorted(set(ran)) == [5]
     assert len(journal.read_text().splitlines()) == 1 + 6
+    # A last record whole but for its newline: kept, and the next one starts its own line.
+    lines = journal.read_text().splitlines()
+    journal.write_text("\n".join(lines[:5]))
+    ran.clear()
+    run_bench(model, prompts, _configs(), max_new_tokens=4, tokenizer=tok, warmup=False, journal=journal,
+              callback=lambda p: ran.append(p.done) if p.config is not None else None)
+    assert sorted(set(ran)) == [4, 5] and len(journal.read_text().splitlines()) == 1 + 6
 
 
 def test_a_journal_of_other_settings_is_refused(chat_lm, tmp_path):
@@ -231,6 +257,14 @@ def test_a_journal_of_other_settings_is_refused(chat_lm, tmp_path):
     other, _ = load_bench_prompts("spec-bench:rag", tok, 1)
     with pytest.raises(ValueError, match=r"prompts differ"):
         run_bench(model, other, _configs(), max_new_tokens=3, tokenizer=tok, warmup=False, journal=journal)
+    w = next(model.parameters())
+    with torch.no_grad():
+        w.view(-1)[0] += 1.0  # the same model, other weights
+        try:
+            with pytest.raises(ValueError, match=r"weights differ"):
+                run_bench(model, prompts, _configs(), max_new_tokens=3, tokenizer=tok, warmup=False, journal=journal)
+        finally:
+            w.view(-1)[0] -= 1.0
     (tmp_path / "notes.txt").write_text("hello\n")
     with pytest.raises(ValueError, match="not a treespec bench journal"):
         run_bench(model, prompts, _configs(), max_new_tokens=3, tokenizer=tok, warmup=False,

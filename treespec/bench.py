@@ -45,6 +45,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -396,7 +397,8 @@ def run_bench(
 
     book = None
     if journal is not None:
-        key = _journal_key(prompts, active, sp, max_new_tokens, seed, gen["options"], dtype, packing)
+        key = _journal_key(model, prompts, active, sp, max_new_tokens, seed, gen["options"], dtype, packing,
+                           attention_backend, judge.tolerance)
         book = _Journal(Path(journal), key)
         for i, (runs, divergences) in enumerate(book.done[: len(prompts)]):
             for r in active:
@@ -440,19 +442,38 @@ def run_bench(
                        categories=[p.category for p in prompts], turns=[p.num_turns for p in prompts], packing=packing)
 
 
-def _journal_key(prompts: list[Prompt], active: list[ConfigResult], sp: SamplingParams, max_new_tokens: int,
-                 seed: int | None, options: dict, dtype, packing) -> dict:
+def _journal_key(model, prompts: list[Prompt], active: list[ConfigResult], sp: SamplingParams, max_new_tokens: int,
+                 seed: int | None, options: dict, dtype, packing, backend: str, tolerance: float) -> dict:
     """What a journal's records depend on: a resumed run must match it in every field."""
-    digest = hashlib.sha256(json.dumps([[list(p.ids), p.category, p.num_turns] for p in prompts]).encode()).hexdigest()
+    text = [[[int(t) for t in p.ids], p.category, list(p.turns), p.chat] for p in prompts]
+    digest = hashlib.sha256(json.dumps(text).encode()).hexdigest()
+    drafters = [r.config.drafter for r in active if r.config.drafter is not None]
     return {
+        # The model and drafts by their weights (where they were loaded from may move; a head
+        # retrained under the same name is another run).
+        "model": type(model).__name__,
+        "weights": [_fingerprint(model)] + [_fingerprint(m) for d in drafters for m in d.modules()],
         "configs": [{**r.config.describe(), "fast": r.config.fast} for r in active],
         "prompts": f"{len(prompts)} prompts, sha256 {digest[:16]}",
         "max_new_tokens": max_new_tokens, "sampling": dataclasses.asdict(sp), "seed": seed,
         "options": {k: repr(v) for k, v in sorted(options.items())}, "dtype": str(dtype).removeprefix("torch."),
         "packed": None if packing is None else bool(packing.pack), "threads": torch.get_num_threads(),
+        "attention_backend": backend, "near_tie_tolerance": tolerance,
         # Timings of one machine only: another CPU or library version starts a new journal.
-        "machine": {k: v for k, v in machine_info().items() if k in ("cpu", "cpu_count", "torch", "transformers", "cuda")},
+        "machine": {k: v for k, v in machine_info().items()
+                    if k in ("cpu", "cpu_count", "torch", "transformers", "treespec", "cuda")},
     }
+
+
+def _fingerprint(module) -> str:
+    """A short digest of a module's parameters (names, shapes and sums): enough to tell two
+    checkpoints apart, cheap next to a benchmark."""
+    h = hashlib.sha256()
+    with torch.no_grad():
+        for name, t in module.state_dict().items():
+            if t.is_floating_point() or t.dtype in (torch.int64, torch.int32, torch.bool):
+                h.update(f"{name}{tuple(t.shape)}{float(t.double().sum()) if t.numel() else 0.0:.9e}".encode())
+    return h.hexdigest()[:16]
 
 
 class _Journal:
@@ -468,7 +489,11 @@ class _Journal:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps({"treespec_bench_journal": self.VERSION, "key": key}) + "\n")
             return
-        lines = path.read_text().splitlines()
+        raw = path.read_text()
+        if not raw.endswith("\n"):  # a last record whole but for its newline: the next append starts a line
+            with path.open("a") as f:
+                f.write("\n")
+        lines = raw.splitlines()
         try:
             head = json.loads(lines[0])
             old = head["key"]
@@ -489,11 +514,17 @@ class _Journal:
                 raise ValueError(f"{path}: line {n} is not JSON: give a new journal file") from None
             if rec.get("prompt") != len(self.done):
                 raise ValueError(f"{path}: line {n} holds prompt {rec.get('prompt')}, expected {len(self.done)}")
-            self.done.append(({c: RunRecord(**r) for c, r in rec["runs"].items()},
-                              {c: Divergence(**d) for c, d in rec["divergences"].items()}))
+            try:
+                self.done.append(({c: RunRecord(**r) for c, r in rec["runs"].items()},
+                                  {c: Divergence(**d) for c, d in rec["divergences"].items()}))
+            except (KeyError, TypeError) as e:
+                raise ValueError(f"{path}: line {n} is not a record this version of treespec reads ({e}): "
+                                 f"give a new journal file") from None
 
     def _rewrite(self, lines: list[str]) -> None:
-        self.path.write_text("".join(line + "\n" for line in lines))
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in lines))
+        os.replace(tmp, self.path)  # whole or not at all
 
     def append(self, i: int, runs: dict[str, RunRecord], divergences: dict[str, Divergence]) -> None:
         # Without turn_prompts: only the judge reads them, while the prompt runs, and a long

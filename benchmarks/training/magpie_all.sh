@@ -18,10 +18,11 @@
 #            magpie-chat2; VAL2=233 for the shipped set): the first VAL2 rows held out (runs/cap-magpie2-val,
 #            greedy; VAL2 is what `follow` printed for cap-magpie-val's rows), the rest runs/cap-magpie2
 #            (MAX2=N: the first N training rows only; a later run with a larger MAX2 or none resumes)
-#   rebuild  the old plan's folders the fine-tune needs, from their kept answers: runs/cap-all's first 2,688
-#            conversations (so that the head keeps what it knew) and runs/cap-val's first 64 (its held-out check)
+#   rebuild  the old plan's folders the fine-tune needs, from their kept answers: its first 2,688 conversations
+#            (runs/cap-all-2688: so that the head keeps what it knew; a folder of its own, as a fine-tune takes
+#            whatever a folder holds) and runs/cap-val's first 64 (its held-out check)
 #   finetune the shipped head, one epoch at a third of its learning rate, on runs/cap-magpie, runs/cap-magpie2
-#            (what capture2 has done) and runs/cap-all[:2688], validated on runs/cap-magpie-val: runs/ft-magpie2
+#            (what capture2 has done) and runs/cap-all-2688, validated on runs/cap-magpie-val: runs/ft-magpie2
 #            (resumes), then validate_head.py on the held-out first turns, second turns and old plan
 #   keep     copy the raw chunks (gzip -n: same chunk, same bytes) to benchmarks/data/magpie{,2} and the
 #            answers files to benchmarks/data/captures (then commit them): a chunk sampled on another
@@ -76,17 +77,18 @@ if has capture2; then
     ${MAX2:+--max-examples "$MAX2"} --threads "$THREADS"
 fi
 if has rebuild; then
-  say "rebuild: runs/cap-all[:2688], runs/cap-val[:64]"
-  mkdir -p runs/cap-all runs/cap-val
-  cp -n benchmarks/data/captures/cap-all/* runs/cap-all/ && cp -n benchmarks/data/captures/cap-val/* runs/cap-val/
-  treespec capture --data "gsm8k-train[:7400],stdlib-code[:3100],chat-train[:3750]" --out runs/cap-all \
+  say "rebuild: runs/cap-all-2688, runs/cap-val[:64]"
+  mkdir -p runs/cap-all-2688 runs/cap-val
+  cp -n benchmarks/data/captures/cap-all/* runs/cap-all-2688/  # answers of all; shards for the first 2,688
+  cp -n benchmarks/data/captures/cap-val/* runs/cap-val/
+  treespec capture --data "gsm8k-train[:7400],stdlib-code[:3100],chat-train[:3750]" --out runs/cap-all-2688 \
     --sample-share 0.2 --sample-temperature 0.8 --max-examples 2688 --threads "$THREADS"
   treespec capture --data "gsm8k-train[7400:],stdlib-code[3100:],chat-train[3750:]" --out runs/cap-val \
     --max-examples 64 --threads "$THREADS"
 fi
 if has finetune; then
   say "finetune: train runs/ft-magpie2"
-  treespec train-eagle --init smollm2-135m-instruct-eagle --captured runs/cap-magpie,runs/cap-magpie2,runs/cap-all \
+  treespec train-eagle --init smollm2-135m-instruct-eagle --captured runs/cap-magpie,runs/cap-magpie2,runs/cap-all-2688 \
     --val-captured runs/cap-magpie-val --out runs/ft-magpie2 --epochs 1 --lr 3e-4 --max-length 768 --threads "$THREADS"
   say "finetune: validate (the shipped head, then the fine-tuned one)"
   for v in runs/cap-magpie-val runs/cap-magpie2-val runs/cap-val; do
