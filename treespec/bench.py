@@ -377,12 +377,11 @@ def run_bench(
         tokenizer: for ``stop_strings`` among the options (transformers needs it too), and
                   to template a multi-turn prompt's later turns.
         packing:  the :class:`~treespec.pack_choice.PackingChoice` behind the ``fast`` flags.
-        journal:  a JSONL file each finished prompt is appended to (every configuration's
-                  record and judgement), so that a run stopped part way resumes: given the file
-                  of an earlier run with the same settings, its prompts are read back, not run
-                  again (their timings are that run's; ``auto`` trees start the rest from
-                  their start-up profile again). A file of other settings is refused.
+        journal:  a JSONL file each finished prompt is appended to, from which a stopped run
+                  with the same settings resumes (:class:`_Journal`).
     """
+    # long: the docstring is the argument reference of the benchmark's entry (twenty of them); the code is
+    # forty lines, the per-prompt work in _bench_prompt and the journal's in _Journal
     sp = SamplingParams(temperature, top_k, top_p, min_p)
     gen = dict(options=dict(options or {}), tokenizer=tokenizer)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -397,49 +396,45 @@ def run_bench(
 
     book = None
     if journal is not None:
-        key = _journal_key(model, prompts, active, sp, max_new_tokens, seed, gen["options"], dtype, packing,
-                           attention_backend, judge.tolerance)
-        book = _Journal(Path(journal), key)
-        for i, (runs, divergences) in enumerate(book.done[: len(prompts)]):
-            for r in active:
-                r.runs.append(runs[r.config.name])
-                if r.config.name in divergences:
-                    d = divergences[r.config.name]
-                    r.mismatches.append(i)
-                    r.first_diff[i] = d.position
-                    r.divergences[i] = d
-        if book.done:
-            notes.append(f"resumed: the first {len(book.done)} prompt(s) were run by an earlier process with the same "
-                         f"settings and read back from {Path(journal).name} (their timings are that run's)")
+        book = _Journal(Path(journal), _journal_key(model, prompts, active, sp, max_new_tokens, seed, gen["options"],
+                                                    dtype, packing, attention_backend, judge.tolerance))
+        book.restore(active, notes)
     done = len(book.done) if book is not None else 0
-    if done >= len(prompts):
-        warmup = False
-    if warmup:  # first calls run several times slower (allocations, kernel selection)
+    if warmup and done < len(prompts):  # first calls run several times slower (allocations, kernel selection)
         for i, r in enumerate(active):
             _run_one(model, r.config, list(prompts[0].ids[:16]), min(16, max_new_tokens), sp, seed, attention_backend,
                      fast_path, profiles.get(r.config.name), **gen)
             callback(BenchProgress("warmup", i + 1, len(active), r.config.name))
 
+    def run(cfg: BenchConfig, prompt: Prompt, s: int | None) -> RunRecord:
+        return _run_prompt(model, cfg, prompt, max_new_tokens, sp, s, attention_backend, fast_path,
+                           profiles.get(cfg.name), **gen)
+
     for i, prompt in enumerate(prompts):
-        if i < done:
-            callback(BenchProgress("prompts", i + 1, len(prompts), None))
-            continue
-        s = None if seed is None else seed + i
-        for r in active:
-            callback(BenchProgress("prompts", i, len(prompts), r.config.name))
-            rec = _run_prompt(model, r.config, prompt, max_new_tokens, sp, s, attention_backend, fast_path,
-                              profiles.get(r.config.name), **gen)
-            r.runs.append(rec)
-            log.info("prompt %d %s: %d tokens, %.1f tokens/s", i, r.config.name, len(rec.tokens), rec.tokens_per_second)
-            if sp.greedy and r is not results[0] and rec.tokens != results[0].runs[i].tokens:
-                judge(model, r, i, results[0].runs[i], rec)
-        if book is not None:
-            book.append(i, {r.config.name: r.runs[i] for r in active},
-                        {r.config.name: r.divergences[i] for r in active if i in r.divergences})
+        if i >= done:
+            _bench_prompt(model, i, prompt, None if seed is None else seed + i, active, run, judge if sp.greedy else None,
+                          callback, len(prompts))
+            if book is not None:
+                book.append(i, {r.config.name: r.runs[i] for r in active},
+                            {r.config.name: r.divergences[i] for r in active if i in r.divergences})
         callback(BenchProgress("prompts", i + 1, len(prompts), None))
     return BenchResult([len(p.ids) for p in prompts], results, sp, max_new_tokens, seed, notes,
                        dtype=str(dtype).removeprefix("torch."), fast_path=getattr(fast_path, "description", None),
                        categories=[p.category for p in prompts], turns=[p.num_turns for p in prompts], packing=packing)
+
+
+def _bench_prompt(model, i: int, prompt: Prompt, seed: int | None, active: list[ConfigResult], run, judge, callback,
+                  total: int) -> None:
+    """Prompt ``i`` through every configuration in turn (the baseline first); greedy (a
+    ``judge``), each output that leaves the baseline's is judged."""
+    base = active[0]
+    for r in active:
+        callback(BenchProgress("prompts", i, total, r.config.name))
+        rec = run(r.config, prompt, seed)
+        r.runs.append(rec)
+        log.info("prompt %d %s: %d tokens, %.1f tokens/s", i, r.config.name, len(rec.tokens), rec.tokens_per_second)
+        if judge is not None and r is not base and rec.tokens != base.runs[i].tokens:
+            judge(model, r, i, base.runs[i], rec)
 
 
 def _journal_key(model, prompts: list[Prompt], active: list[ConfigResult], sp: SamplingParams, max_new_tokens: int,
@@ -478,7 +473,10 @@ def _fingerprint(module) -> str:
 
 class _Journal:
     """:func:`run_bench`'s journal: a header line with the run's settings (:func:`_journal_key`),
-    then one line per finished prompt, in order."""
+    then one line per finished prompt, in order (every configuration's record and judgement).
+    Given the file of an earlier run with the same settings, its prompts are read back, not run
+    again: their timings are that run's, and ``auto`` trees start the rest from their start-up
+    profile again. A file of other settings is refused."""
 
     VERSION = 1
 
@@ -520,6 +518,20 @@ class _Journal:
             except (KeyError, TypeError) as e:
                 raise ValueError(f"{path}: line {n} is not a record this version of treespec reads ({e}): "
                                  f"give a new journal file") from None
+
+    def restore(self, active: list[ConfigResult], notes: list[str]) -> None:
+        """Put the journal's prompts back into the configurations' results, judgements too."""
+        for i, (runs, divergences) in enumerate(self.done):
+            for r in active:
+                r.runs.append(runs[r.config.name])
+                if r.config.name in divergences:
+                    d = divergences[r.config.name]
+                    r.mismatches.append(i)
+                    r.first_diff[i] = d.position
+                    r.divergences[i] = d
+        if self.done:
+            notes.append(f"resumed: the first {len(self.done)} prompt(s) were run by an earlier process with the same "
+                         f"settings and read back from {self.path.name} (their timings are that run's)")
 
     def _rewrite(self, lines: list[str]) -> None:
         tmp = self.path.with_name(self.path.name + ".tmp")
