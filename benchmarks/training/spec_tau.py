@@ -5,7 +5,8 @@ tau counts tokens per verify forward; it does not depend on the machine's load, 
 beside other jobs. Fixed trees only (``auto`` follows measured times). Each head runs alone
 and with prompt lookup grafted on (``+lookup``, the shipped default drafter). MT-bench's
 questions (``conversation``) run both turns, the second after the target's own first answer,
-as Spec-Bench does; ``--extra gsm8k,humaneval`` adds those sets as columns.
+as Spec-Bench does; ``--extra gsm8k,humaneval`` adds those sets as columns (``gsm8k:50``: its
+first 50), ``--no-spec-bench`` runs them alone.
 
     python benchmarks/training/spec_tau.py --head smollm2-135m-instruct-eagle --head runs/ft/head \\
         --num-prompts 10 --max-new-tokens 128 --out benchmarks/results/spec-tau.json
@@ -55,7 +56,9 @@ def main() -> None:
     ap.add_argument("--tree", action="append", default=None, help="fixed tree (repeatable; default chain-3 and cpu)")
     ap.add_argument("--num-prompts", type=int, default=10, help="questions per category")
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--extra", default="", help="more datasets as columns, e.g. gsm8k,humaneval")
+    ap.add_argument("--extra", default="",
+                    help="more datasets as columns, e.g. gsm8k,humaneval; NAME:N for its first N (default --num-prompts)")
+    ap.add_argument("--no-spec-bench", action="store_true", help="the --extra sets alone")
     ap.add_argument("--no-lookup", action="store_true", help="the heads alone only")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None)
@@ -63,11 +66,16 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
     model, tok = load("smollm2-135m-instruct", dtype=torch.bfloat16)
-    sets = {c: load_bench_prompts(f"spec-bench:{c}", tok, args.num_prompts)[0] for c in SPEC_BENCH_CATEGORIES}
-    for name in filter(None, args.extra.split(",")):
-        sets[name] = load_bench_prompts(name, tok, args.num_prompts)[0]
+    cats = () if args.no_spec_bench else SPEC_BENCH_CATEGORIES
+    sets = {c: load_bench_prompts(f"spec-bench:{c}", tok, args.num_prompts)[0] for c in cats}
+    for spec in filter(None, args.extra.split(",")):
+        name, _, n = spec.partition(":")
+        sets[name] = load_bench_prompts(name, tok, int(n) if n else args.num_prompts)[0]
+    if not sets:
+        ap.error("nothing to run: --no-spec-bench needs --extra")
     trees = args.tree or ["chain-3", "cpu"]
-    res = {"dtype": "bfloat16", "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
+    res = {"dtype": "bfloat16", "num_prompts": {k: len(v) for k, v in sets.items()},
+           "max_new_tokens": args.max_new_tokens,
            "tau": {}, "outputs_equal": {}}
     first_outputs = {}
     for head_name in args.head:
@@ -83,7 +91,8 @@ def main() -> None:
                     # Greedy: every head and tree gives the target's tokens (bf16 near-ties aside).
                     ref = first_outputs.setdefault(sname, outs)
                     res["outputs_equal"].setdefault(sname, []).append(sum(a == b for a, b in zip(ref, outs)))
-                row["overall"] = round(sum(row[c] for c in SPEC_BENCH_CATEGORIES) / len(SPEC_BENCH_CATEGORIES), 3)
+                if cats:
+                    row["overall"] = round(sum(row[c] for c in cats) / len(cats), 3)
                 res["tau"][f"{dname} @ {tree}"] = row
                 print(f"{dname} @ {tree}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items())
                       + f" ({time.time() - t0:.0f} s)", flush=True)
