@@ -57,7 +57,8 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=10, help="questions per category")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--extra", default="",
-                    help="more datasets as columns, e.g. gsm8k,humaneval; NAME:N for its first N (default --num-prompts)")
+                    help="more datasets as columns, e.g. gsm8k,humaneval; NAME:N for its first N "
+                         "(default --num-prompts)")
     ap.add_argument("--no-spec-bench", action="store_true", help="the --extra sets alone")
     ap.add_argument("--no-lookup", action="store_true", help="the heads alone only")
     ap.add_argument("--threads", type=int, default=1)
