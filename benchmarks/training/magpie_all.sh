@@ -22,7 +22,7 @@
 #            (runs/cap-all-2688: so that the head keeps what it knew; a folder of its own, as a fine-tune takes
 #            whatever a folder holds) and runs/cap-val's first 64 (its held-out check)
 #   finetune the shipped head, one epoch at a third of its learning rate, on runs/cap-magpie, runs/cap-magpie2
-#            (what capture2 has done) and runs/cap-all-2688, validated on runs/cap-magpie-val: runs/ft-magpie2
+#            (what capture2 has done) and runs/cap-all-2688, validated on runs/cap-magpie-val: runs/ft-magpie2/head
 #            (resumes), then validate_head.py on the held-out first turns, second turns and old plan
 #   keep     copy the raw chunks (gzip -n: same chunk, same bytes) to benchmarks/data/magpie{,2} and the
 #            answers files to benchmarks/data/captures (then commit them): a chunk sampled on another
@@ -93,7 +93,7 @@ if has finetune; then
   say "finetune: validate (the shipped head, then the fine-tuned one)"
   for v in runs/cap-magpie-val runs/cap-magpie2-val runs/cap-val; do
     echo "on $v:"
-    python benchmarks/training/validate_head.py --head smollm2-135m-instruct-eagle --head runs/ft-magpie2 \
+    python benchmarks/training/validate_head.py --head smollm2-135m-instruct-eagle --head runs/ft-magpie2/head \
       --val-capture "$v" --val-examples 64
   done
 fi
