@@ -254,6 +254,52 @@ def test_lost_shards_are_rebuilt_from_their_answers_files(tiny_lm, tmp_path):
     assert shard_files(ref) and not list(ref.glob("answers-*"))
 
 
+def test_capture_with_generation_options_answers_as_generate_with_them(tiny_lm, tmp_path):
+    """A capture decoded with generation options holds what HF ``generate`` writes with the
+    same options, prompt by prompt; the options are part of the folder's identity; soft
+    labels (the unprocessed distribution) are refused on it, and so are options that a
+    reference capture or the capture's own settings would contradict."""
+    model, tok = tiny_lm
+    data = _data(tmp_path)
+    options = {"repetition_penalty": 1.5, "no_repeat_ngram_size": 2}
+
+    def cfg(out, **kw):
+        return CaptureConfig(data=f"{data}[:8]", out_dir=str(out), max_new_tokens=12, max_length=80, shard_size=4,
+                             batch_size=3, **kw)
+
+    capture_shards(model, tok, cfg(tmp_path / "opt", options=options))
+    capture_shards(model, tok, cfg(tmp_path / "plain"))
+    with_opts, plain = load_shards(tmp_path / "opt", mmap=False), load_shards(tmp_path / "plain", mmap=False)
+    assert len(with_opts) == len(plain) == 8
+    for r in with_opts:
+        plen = r["prompt_len"]
+        prompt = r["tokens"][:plen][None]
+        ref = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=12,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id, **options)[0]
+        ref = ref[: (ref[plen:] == tok.eos_token_id).nonzero()[0].item() + plen + 1] \
+            if (ref[plen:] == tok.eos_token_id).any() else ref
+        assert r["tokens"].tolist() == ref.tolist()
+    # The options changed what the target wrote (so the check above could fail).
+    assert any(not torch.equal(a["tokens"], b["tokens"]) for a, b in zip(with_opts, plain))
+    assert json.loads((tmp_path / "opt" / "capture.json").read_text())["options"] == options
+
+    with pytest.raises(ValueError, match="other settings.*options"):
+        capture_shards(model, tok, cfg(tmp_path / "opt", options={"repetition_penalty": 1.2}))
+    with pytest.raises(ValueError, match="other settings.*options"):
+        capture_shards(model, tok, cfg(tmp_path / "plain", options=options))
+    assert capture_shards(model, tok, cfg(tmp_path / "opt", options=dict(reversed(options.items()))))["written"] == 0
+    with pytest.raises(ValueError, match="soft labels.*without soft labels"):
+        load_shards(tmp_path / "opt", final=True)
+    assert load_shards(tmp_path / "plain", final=True)[0]["final"] is not None
+    with pytest.raises(ValueError, match="answers='target'"):
+        cfg(tmp_path / "r", answers="reference", options=options)
+    with pytest.raises(ValueError, match=r"\['temperature'\] are set by the capture itself"):
+        cfg(tmp_path / "t", options={"temperature": 0.5})
+    with pytest.raises(TypeError, match="repetition_penalti"):
+        capture_shards(model, tok, cfg(tmp_path / "typo", options={"repetition_penalti": 1.1}))
+    assert not (tmp_path / "typo").exists() or not list((tmp_path / "typo").glob("*"))
+
+
 def test_replay_batches_follow_the_token_budget():
     items = [(i, [0] * n) for i, n in enumerate([3, 3, 4, 5, 9, 20])]  # sorted by length
     batches = _by_tokens(items, max_batch=3, budget=12)
@@ -465,6 +511,15 @@ def test_cli_capture_resumes_and_train_eagle_reads_it(tmp_path, capsys):
     assert "give --data" in capsys.readouterr().err
     assert cli.main(["capture", "--model", lm, "--data", data, "--out", cap, "--mix", "1,2"]) == 2
     assert "one non-negative weight per dataset" in capsys.readouterr().err
+    pen = tmp_path / "pen"  # generation options reach the capture and its manifest
+    assert cli.main(["capture", "--model", lm, "--data", f"{data}[:2]", "--out", str(pen), "--max-new-tokens", "4",
+                     "--max-length", "80", "--repetition-penalty", "1.3", "--no-repeat-ngram-size", "3",
+                     "--dtype", "float32", "--threads", "1"]) == 0
+    assert json.loads((pen / "capture.json").read_text())["options"] == {"no_repeat_ngram_size": 3,
+                                                                        "repetition_penalty": 1.3}
+    assert cli.main(["capture", "--model", lm, "--data", data, "--out", str(pen), "--answers", "reference",
+                     "--repetition-penalty", "1.3"]) == 2
+    assert "need answers='target'" in capsys.readouterr().err
 
 
 # ---- ablation runner --------------------------------------------------------------------------

@@ -3,7 +3,7 @@ treespec's engine) and its features are kept in resumable shards, for ``train-ea
 
 from __future__ import annotations
 
-from .common import Bars, UserError, add_model, add_runtime
+from .common import Bars, UserError, add_generation_options, add_model, add_runtime, generation_options
 
 
 def add_arguments(p):
@@ -30,6 +30,7 @@ def add_arguments(p):
     p.add_argument("--features", choices=["both", "eagle3", "eagle1"], default="both",
                    help="features kept: both layouts (default, trains either) or one")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampled share and of the sampled answers")
+    add_generation_options(p)
     add_runtime(p)
 
 
@@ -46,7 +47,7 @@ def run(args):
             max_new_tokens=args.max_new_tokens, answers=args.answers, sample_share=args.sample_share,
             sample_temperature=args.sample_temperature, seed=args.seed, shard_size=args.shard_size,
             batch_size=args.batch_size, features=args.features, model=args.model, dtype=args.dtype,
-            attention_backend=args.backend)
+            attention_backend=args.backend, options=generation_options(args))
     except ValueError as e:
         raise UserError(f"capture: {e}") from None
     loaded = load(args)

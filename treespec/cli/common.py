@@ -75,6 +75,12 @@ def add_sampling(p, seed=None):
     g.add_argument("--seed", type=int, default=seed,
                    help="sampling seed: fixes the output whatever the tree and drafter"
                         + (" (prompt i uses seed + i; default: %(default)s)" if seed is not None else ""))
+    add_generation_options(p)
+
+
+def add_generation_options(p):
+    """--repetition-penalty, --no-repeat-ngram-size, --min-new-tokens, --stop (read back by
+    :func:`generation_options`)."""
     g = p.add_argument_group("generation options (transformers' semantics, exact at every tree node; "
                              "docs/generation.md)")
     g.add_argument("--repetition-penalty", type=float, default=None, metavar="X",

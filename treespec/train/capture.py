@@ -81,7 +81,10 @@ _REPLAY_TOKENS = 4096
 # batch_size is free: it changes how requests share a forward, so only bf16/fp32 rounding and
 # with it greedy choices at near-ties, not which conversations are answered or how.
 _IDENTITY = ("data", "mix", "max_length", "max_new_tokens", "answers", "sample_share", "sample_temperature",
-             "seed", "shard_size", "features", "model", "dtype")
+             "seed", "shard_size", "features", "model", "dtype", "options")
+# Options the capture sets itself, per answer (its sampled share, its length, the tokenizer's EOS).
+_OWN_OPTIONS = ("temperature", "top_k", "top_p", "min_p", "do_sample", "max_new_tokens", "max_length",
+                "eos_token_id", "pad_token_id", "seed")
 
 
 @dataclass
@@ -102,10 +105,26 @@ class CaptureConfig:
     model: str | None = None  # the target's name, recorded and checked on resume
     dtype: str | None = None  # as asked ("auto", "bfloat16", ...), recorded and checked on resume
     attention_backend: str = "auto"  # the engine's (FlashInfer on CUDA when installed, else PyTorch)
+    options: dict | None = None  # GenerationConfig fields the target answers with ({"repetition_penalty": 1.1})
 
     def __post_init__(self):
         if self.answers not in ("target", "reference"):
             raise ValueError(f"answers must be 'target' or 'reference', got {self.answers!r}")
+        if self.options:
+            try:  # as capture.json records them, so that a resume compares like with like
+                self.options = json.loads(json.dumps(dict(sorted(self.options.items()))))
+            except TypeError as e:
+                raise ValueError(f"generation options must be plain values (they are recorded in {MANIFEST}): {e}") from None
+        else:
+            self.options = None
+        if self.options and self.answers != "target":
+            raise ValueError(f"generation options {sorted(self.options)} shape the target's own answers: they need "
+                             f"answers='target' (a reference capture is labelled with the target's greedy, "
+                             f"unprocessed choice at each position)")
+        own = sorted(k for k in self.options or () if k in _OWN_OPTIONS)
+        if own:
+            raise ValueError(f"capture options {own} are set by the capture itself (sample_share, "
+                             f"sample_temperature, max_new_tokens, max_length, the tokenizer's EOS): pass them there")
         if not 0.0 <= self.sample_share <= 1.0:
             raise ValueError(f"sample_share must be in [0, 1], got {self.sample_share}")
         if self.sample_share > 0 and not self.sample_temperature > 0:
@@ -272,6 +291,9 @@ def capture_shards(model, tokenizer, cfg: CaptureConfig,
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     fids = feature_ids(model, cfg.features)
+    if cfg.options:  # unknown or unsupported options fail here, before any work
+        from ..processing import exact_generation_config
+        exact_generation_config(model, **cfg.options)
     _check_manifest(out, cfg, fids)
     plan = capture_plan(cfg)
     if not plan:
@@ -367,7 +389,8 @@ def _capture_range(model, tokenizer, cfg, plan, a, b, fids, stats, summary, give
     answered.sort(key=lambda x: (len(x[1]), x[0]))  # similar lengths decode together
     for s in range(0, len(answered), cfg.batch_size):
         batch = answered[s: s + cfg.batch_size]
-        recs = _generate(model, [x[1] for x in batch], fids, cfg, eos, [x[2] for x in batch], [x[3] for x in batch])
+        recs = _generate(model, tokenizer, [x[1] for x in batch], fids, cfg, eos, [x[2] for x in batch],
+                         [x[3] for x in batch])
         for (i, _, temperature, _), r in zip(batch, recs):
             summary["generated_tokens"] += r["tokens"].numel() - r["prompt_len"]
             by_index[i] = dict(r, sampled=temperature > 0)
@@ -398,11 +421,11 @@ def _by_tokens(items, max_batch: int, budget: int = _REPLAY_TOKENS) -> list[list
     return batches + [cur] if cur else batches
 
 
-def _generate(model, prompts, fids, cfg: CaptureConfig, eos, temperature, seeds) -> list[dict]:
+def _generate(model, tokenizer, prompts, fids, cfg: CaptureConfig, eos, temperature, seeds) -> list[dict]:
     """The target's replies to ``prompts`` and the features of every position, one pass."""
     max_new = max(1, min(cfg.max_new_tokens, cfg.max_length - max(len(p) for p in prompts)))
     return generated_records(model, prompts, fids, max_new, eos, attention_backend=cfg.attention_backend,
-                             temperature=temperature, seeds=seeds)
+                             temperature=temperature, seeds=seeds, options=cfg.options, tokenizer=tokenizer)
 
 
 # ---- reading ----------------------------------------------------------------------------------
@@ -433,6 +456,11 @@ def load_shards(out_dir, eagle3: bool = True, limit: int | None = None, greedy_o
     first = fids.index(want[0])
     if fids[first: first + len(want)] != want:
         raise ValueError(f"{out}: the {want} features are not adjacent in {fids}")
+    options = json.loads(mpath.read_text()).get("options")
+    if final and options:
+        raise ValueError(f"{out} was decoded with generation options {options}: soft labels recompute the target's "
+                         f"unprocessed distribution, which is not what its answers were chosen from; train on its "
+                         f"tokens (without soft labels)")
     if final and -1 not in fids:
         raise ValueError(f"{out} has features {fids}, not the final state that soft labels need "
                          f"(capture with features='both')")

@@ -176,11 +176,12 @@ class _Recorder(Drafter):
 
 
 def generated_records(model, prompts, fids, max_new: int, eos, *, attention_backend: str = "torch",
-                      temperature=0.0, seeds=None) -> list[dict]:
+                      temperature=0.0, seeds=None, options: dict | None = None, tokenizer=None) -> list[dict]:
     """Training records of the target's own replies to ``prompts``: generated in one batch
     through treespec's engine with the features of every position recorded on the way;
     the label after each position is the token the target wrote there. ``temperature``:
-    one for all or one per prompt (0: greedy), ``seeds`` one per prompt."""
+    one for all or one per prompt (0: greedy), ``seeds`` one per prompt. ``options``:
+    GenerationConfig fields the target answers with (``tokenizer`` for ``stop_strings``)."""
     from ..drafters.none import NoDrafter
     from ..engine import generate
 
@@ -190,7 +191,7 @@ def generated_records(model, prompts, fids, max_new: int, eos, *, attention_back
     sampled = any(t > 0 for t in temperature) if isinstance(temperature, (list, tuple)) else temperature > 0
     out = generate(model, rec, "chain-1", prompts, max_new_tokens=max_new, eos_token_id=eos,
                    temperature=temperature, seed=list(seeds) if sampled else None,
-                   attention_backend=attention_backend)
+                   attention_backend=attention_backend, tokenizer=tokenizer, **(options or {}))
     records = []
     for prompt, gen, f in zip(prompts, out.sequences, rec.sessions[-1]):
         toks = list(prompt) + list(gen)
