@@ -108,19 +108,21 @@ def main() -> None:
                    help="the drafts' knowledge of the options to run (shifted: only with --penalty-offset)")
     p.add_argument("--drafts", default="hybrid",
                    help="comma-separated: hybrid (the shipped head with prompt lookup), head, lookup")
+    p.add_argument("--head", default="smollm2-135m-instruct-eagle",
+                   help="the EAGLE head: a shipped name or a folder (e.g. one trained on a capture with options)")
     p.add_argument("--penalty-offset", default=None,
                    help="also run drafts 'shifted' (see above) with this offset; 'lse' for the target's median")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model, tok = load("smollm2-135m-instruct", dtype=torch.bfloat16)
-    head = treespec.load_draft("smollm2-135m-instruct-eagle", model)
+    head = treespec.load_draft(args.head, model)
     hybrid = HybridDrafter(head)
     drafts = {"hybrid": hybrid, "head": head, "lookup": hybrid.lookup}
     if bad := [d for d in args.drafts.split(",") if d not in drafts]:
         p.error(f"unknown --drafts {', '.join(bad)}: choose from {', '.join(drafts)}")
     sets = {name: load_prompts(name, tok, args.num_prompts)[0] for name in ("gsm8k", "spec-bench:conversation")}
     res = {"treespec": treespec.__file__, "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
-           "drafts": {d: str(drafts[d]) for d in args.drafts.split(",")}, "dtype": "bfloat16", "tau": {}}
+           "head": args.head, "drafts": {d: str(drafts[d]) for d in args.drafts.split(",")}, "dtype": "bfloat16", "tau": {}}
     honour = DraftRules.__dict__["from_processors"]  # the classmethod itself, to put back
     offset = None
     if args.penalty_offset is not None:
