@@ -20,9 +20,8 @@ log = logging.getLogger(__package__)  # "treespec.cli", the name -v and the test
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_DRAFT = "smollm2-135m-instruct-eagle"
-# generate's draft and tree when none is asked for: the shipped head with prompt lookup
-# grafted onto its trees, each step's tree chosen from this machine's costs (auto). The
-# fastest pair measured with the head that ships; its figures are in docs/benchmarks.md.
+# generate's draft and tree when none is asked for: the shipped head with prompt lookup grafted onto its trees, each
+# step's tree chosen from this machine's costs (auto); the fastest pair measured with it (docs/benchmarks.md).
 DEFAULT_SPEC = f"{DEFAULT_DRAFT}+lookup"
 DEFAULT_TREE = "auto"
 MODEL_HELP = "target: a treespec name, HF id or path"
@@ -79,8 +78,7 @@ def add_sampling(p, seed=None):
 
 
 def add_generation_options(p):
-    """--repetition-penalty, --no-repeat-ngram-size, --min-new-tokens, --stop (read back by
-    :func:`generation_options`)."""
+    """--repetition-penalty, --no-repeat-ngram-size, --min-new-tokens, --stop (read back by generation_options)."""
     g = p.add_argument_group("generation options (transformers' semantics, exact at every tree node; "
                              "docs/generation.md)")
     g.add_argument("--repetition-penalty", type=float, default=None, metavar="X",
@@ -94,11 +92,9 @@ def add_generation_options(p):
 
 def generation_options(args) -> dict:
     """The generation-option flags that were given, as GenerationConfig fields."""
-    opts = {"repetition_penalty": getattr(args, "repetition_penalty", None),
-            "no_repeat_ngram_size": getattr(args, "no_repeat_ngram_size", None),
-            "min_new_tokens": getattr(args, "min_new_tokens", None),
-            "stop_strings": getattr(args, "stop", None)}
-    return {k: v for k, v in opts.items() if v is not None}
+    fields = {"repetition_penalty": "repetition_penalty", "no_repeat_ngram_size": "no_repeat_ngram_size",
+              "min_new_tokens": "min_new_tokens", "stop_strings": "stop"}
+    return {k: getattr(args, flag) for k, flag in fields.items() if getattr(args, flag, None) is not None}
 
 
 def add_runtime(p, *, device: str = "auto", dtype: str = "auto", pack: bool | None = None):
