@@ -21,9 +21,11 @@
 #   rebuild  the old plan's folders the fine-tune needs, from their kept answers: its first 2,688 conversations
 #            (runs/cap-all-2688: so that the head keeps what it knew; a folder of its own, as a fine-tune takes
 #            whatever a folder holds) and runs/cap-val's first 64 (its held-out check)
-#   finetune the shipped head, one epoch at a third of its learning rate, on runs/cap-magpie, runs/cap-magpie2
-#            (what capture2 has done) and runs/cap-all-2688, validated on runs/cap-magpie-val: runs/ft-magpie2/head
-#            (resumes), then validate_head.py on the held-out first turns, second turns and old plan
+#   finetune HEAD (default: the shipped head), EPOCHS epochs (default 2) at a third of its learning rate, on
+#            runs/cap-magpie, runs/cap-magpie2 (what capture2 has done) and runs/cap-all-2688, validated on
+#            runs/cap-magpie-val: FT/head (default runs/ft-magpie3; resumes), then validate_head.py on the held-out
+#            first turns, second turns and old plan. The head shipped now (docs/training.md) is
+#            HEAD=runs/head-old4 EPOCHS=2 FT=runs/ft-magpie3, its second-result run EPOCHS=1 FT=runs/ft-magpie2 MAX2=1024
 #   keep     copy the raw chunks (gzip -n: same chunk, same bytes) to benchmarks/data/magpie{,2} and the
 #            answers files to benchmarks/data/captures (then commit them): a chunk sampled on another
 #            machine or dtype differs, so the chunks themselves are what makes a larger N append
@@ -32,6 +34,9 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 STEPS=${STEPS:-"turns capture"}
 N=${N:-8192}
+HEAD=${HEAD:-smollm2-135m-instruct-eagle}
+EPOCHS=${EPOCHS:-2}
+FT=${FT:-runs/ft-magpie3}
 THREADS=${THREADS:-2}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 say() { echo "== $* ($(date -u +%H:%M:%S))"; }
@@ -87,13 +92,13 @@ if has rebuild; then
     --max-examples 64 --threads "$THREADS"
 fi
 if has finetune; then
-  say "finetune: train runs/ft-magpie2"
-  treespec train-eagle --init smollm2-135m-instruct-eagle --captured runs/cap-magpie,runs/cap-magpie2,runs/cap-all-2688 \
-    --val-captured runs/cap-magpie-val --out runs/ft-magpie2 --epochs 1 --lr 3e-4 --max-length 768 --threads "$THREADS"
-  say "finetune: validate (the shipped head, then the fine-tuned one)"
+  say "finetune: train $FT from $HEAD"
+  treespec train-eagle --init "$HEAD" --captured runs/cap-magpie,runs/cap-magpie2,runs/cap-all-2688 \
+    --val-captured runs/cap-magpie-val --out "$FT" --epochs "$EPOCHS" --lr 3e-4 --max-length 768 --threads "$THREADS"
+  say "finetune: validate ($HEAD, then the fine-tuned one)"
   for v in runs/cap-magpie-val runs/cap-magpie2-val runs/cap-val; do
     echo "on $v:"
-    python benchmarks/training/validate_head.py --head smollm2-135m-instruct-eagle --head runs/ft-magpie2/head \
+    python benchmarks/training/validate_head.py --head "$HEAD" --head "$FT/head" \
       --val-capture "$v" --val-examples 64
   done
 fi

@@ -9,13 +9,16 @@
 #
 #   capture  1,024 conversations (GSM8K train and self-generated chat, held-out rows excluded),
 #            answered with --repetition-penalty 1.1 --no-repeat-ngram-size 4, a fifth sampled
-#   finetune the shipped head, one epoch at a third of its learning rate: runs/ft-pen/head
+#   finetune BASE (default: the shipped head), one epoch at a third of its learning rate: runs/ft-pen/head
+# The figures in docs/generation.md ran with the head shipped before (BASE=runs/head-old4, from git as
+# docs/training.md says; benchmarks/results/tau-options-penalty-{ft-pen,head4}.json).
 #   tau      tau_options.py with the fine-tuned head and the shipped one (same prompts, both options
 #            rows and none; greedy, bf16, fixed trees: timing-free, any machine load)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 STEPS=${STEPS:-"capture finetune tau"}
 THREADS=${THREADS:-2}
+BASE=${BASE:-smollm2-135m-instruct-eagle}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 say() { echo "== $* ($(date -u +%H:%M:%S))"; }
 OPTS=(--repetition-penalty 1.1 --no-repeat-ngram-size 4)
@@ -26,11 +29,11 @@ if has capture; then
 fi
 if has finetune; then
   say "finetune runs/ft-pen"
-  treespec train-eagle --init smollm2-135m-instruct-eagle --captured runs/cap-pen --out runs/ft-pen --epochs 1 \
+  treespec train-eagle --init "$BASE" --captured runs/cap-pen --out runs/ft-pen --epochs 1 \
     --lr 3e-4 --threads "$THREADS"
 fi
 if has tau; then
-  for h in runs/ft-pen/head smollm2-135m-instruct-eagle; do
+  for h in runs/ft-pen/head "$BASE"; do
     out=runs/tau-options-pen-${h//\//_}.json
     [ -e "$out" ] && { say "tau: $out exists"; continue; }
     say "tau $h"
