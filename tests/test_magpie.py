@@ -160,21 +160,23 @@ def test_follow_ups_end_to_end_are_seeded_and_written_as_conversations(tmp_path,
     again = generate_user_turns(model, tok, 1, 1, chunk=1, batch_size=2, history=[convs[2]["messages"]])
     assert again[0]["prompt"] == raw[2]["prompt"]
     # Filtering keeps what it keeps as three-turn conversations; a re-run reuses the chunks.
+    # (U+2029, written raw as the sampler writes it, ends no line.)
     (tmp_path / "w" / "chunk-00000.jsonl").write_text(
-        "".join(json.dumps({**r, "prompt": p, "ended": True}) + "\n" for r, p in zip(raw[:2], [
-            "Could you say more about why that works, with an example?", "question 1"])))
+        "".join(json.dumps({**r, "prompt": p, "ended": True}, ensure_ascii=False) + "\n" for r, p in zip(raw[:2], [
+            "Could you say more about why that works, with an example?\u2029Thanks", "question 1"])), encoding="utf-8")
     monkeypatch.setattr("treespec.train.magpie.generate_user_turns", None)  # nothing left to sample
     main(argv)
     rows = [json.loads(x) for x in gzip.open(tmp_path / "magpie_chat2.jsonl.gz", "rt")]
     assert rows[0]["messages"] == [*convs[0]["messages"], {
-        "role": "user", "content": "Could you say more about why that works, with an example?"}]
+        "role": "user", "content": "Could you say more about why that works, with an example?\u2029Thanks"}]
     assert rows[0]["source"] == f"{prompts}:0" and all(r["source"] != f"{prompts}:1" for r in rows)
 
 
 def test_a_follow_up_chunk_is_done_only_for_the_same_conversations(tmp_path):
     chunk = tmp_path / "chunk-00000.jsonl"
     assert not _chunk_done(chunk, None)
-    chunk.write_text("".join(json.dumps({"prompt": "x", "source": s}) + "\n" for s in ("a:0", "a:1")))
+    chunk.write_text("".join(json.dumps({"prompt": "x\u2028y", "source": s}, ensure_ascii=False) + "\n"
+                             for s in ("a:0", "a:1")), encoding="utf-8")
     assert _chunk_done(chunk, None)  # first turns: there is all it takes
     assert _chunk_done(chunk, [{"source": "a:0"}, {"source": "a:1"}])
     assert not _chunk_done(chunk, [{"source": "a:0"}, {"source": "a:1"}, {"source": "a:2"}])  # the capture grew

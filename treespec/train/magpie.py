@@ -293,6 +293,12 @@ def _write_gz(path: Path, rows) -> None:
     path.write_bytes(buf.getvalue())
 
 
+def _read_chunk(path: Path) -> list[dict]:
+    """A raw chunk's rows. Lines end at "\n" only: ``str.splitlines`` also cuts at U+2028, U+2029
+    and other separators, which the model writes and ``json.dumps(ensure_ascii=False)`` keeps raw."""
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
+
+
 def _chunk_done(path: Path, part: list[dict] | None) -> bool:
     """Whether a raw chunk is there and, for follow-ups, follows exactly the conversations ``part``
     (a chunk written when the captures held fewer answers, or others, is made again)."""
@@ -300,8 +306,7 @@ def _chunk_done(path: Path, part: list[dict] | None) -> bool:
         return False
     if part is None:
         return True
-    sources = [json.loads(line)["source"] for line in path.read_text().splitlines() if line.strip()]
-    return sources == [x["source"] for x in part]
+    return [r["source"] for r in _read_chunk(path)] == [x["source"] for x in part]
 
 
 def main(argv=None) -> None:
@@ -357,9 +362,9 @@ def main(argv=None) -> None:
                 else:
                     rows = generate_user_turns(model, tok, args.batch_size, seed, chunk=c, batch_size=args.batch_size)
                 tmp = work / f"chunk-{c:05d}.jsonl.tmp"
-                tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+                tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
                 tmp.replace(work / f"chunk-{c:05d}.jsonl")
-    rows = [json.loads(line) for c in chunks for line in (work / f"chunk-{c:05d}.jsonl").read_text().splitlines()]
+    rows = [r for c in chunks for r in _read_chunk(work / f"chunk-{c:05d}.jsonl")]
     if follow:
         by_source = {x["source"]: x["messages"] for x in convs}
         rows = [{**r, "messages": by_source[r["source"]]} for r in rows]  # _chunk_done checked every source
