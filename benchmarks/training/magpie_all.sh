@@ -10,7 +10,8 @@
 #            in runs/magpie, each from its own seed, skipped when present), filter them, and write
 #            treespec/data/magpie_chat.jsonl.gz (filtering keeps order, so a larger N only appends)
 #   capture  the target's answers: magpie-chat[:256] held out (runs/cap-magpie-val, greedy), the
-#            rest (runs/cap-magpie, a fifth sampled at T=0.8), resumable shards of 64
+#            rest (a fifth sampled at T=0.8) in resumable shards of 64: [256:2928], the first 52 chunks' turns, in
+#            runs/cap-magpie (captured whole), and the turns sampled after them in runs/cap-magpie-more
 #   follow   second turns: a follow-up the target writes to each answer of cap-magpie-val, then cap-magpie
 #            (python -m treespec.train.magpie --follow-ups: chunks of 64 in runs/magpie2), filtered, written
 #            to treespec/data/magpie_chat2.jsonl.gz; the rows that follow held-out conversations come first
@@ -51,7 +52,7 @@ if has restore; then
       [ -e "$out" ] || gunzip -c "$f" > "$out"
     done
   done
-  for c in cap-magpie-val cap-magpie cap-magpie2-val cap-magpie2; do
+  for c in cap-magpie-val cap-magpie cap-magpie-more cap-magpie2-val cap-magpie2; do
     [ -d benchmarks/data/captures/$c ] || continue
     mkdir -p runs/$c && cp -n benchmarks/data/captures/$c/* runs/$c/
   done
@@ -64,7 +65,10 @@ if has capture; then
   say capture runs/cap-magpie-val
   treespec capture --data "magpie-chat[:256]" --out runs/cap-magpie-val --threads "$THREADS"
   say capture runs/cap-magpie
-  treespec capture --data "magpie-chat[256:]" --out runs/cap-magpie --sample-share 0.2 --sample-temperature 0.8 \
+  treespec capture --data "magpie-chat[256:2928]" --out runs/cap-magpie --sample-share 0.2 --sample-temperature 0.8 \
+    --threads "$THREADS"
+  say capture runs/cap-magpie-more
+  treespec capture --data "magpie-chat[2928:]" --out runs/cap-magpie-more --sample-share 0.2 --sample-temperature 0.8 \
     --threads "$THREADS"
 fi
 if has follow; then
@@ -108,7 +112,7 @@ if has keep; then
     mkdir -p benchmarks/data/$d
     for f in runs/$d/chunk-*.jsonl; do [ -e "$f" ] && gzip -n -c "$f" > "benchmarks/data/$d/$(basename "$f").gz"; done
   done
-  for c in cap-magpie-val cap-magpie cap-magpie2-val cap-magpie2; do
+  for c in cap-magpie-val cap-magpie cap-magpie-more cap-magpie2-val cap-magpie2; do
     [ -e runs/$c/capture.json ] && bash benchmarks/training/keep_answers.sh runs/$c
   done
 fi
