@@ -10,10 +10,10 @@
 #   capture  1,024 conversations (GSM8K train and self-generated chat, held-out rows excluded),
 #            answered with --repetition-penalty 1.1 --no-repeat-ngram-size 4, a fifth sampled
 #   finetune BASE (default: the shipped head), one epoch at a third of its learning rate: runs/ft-pen/head
-# The figures in docs/generation.md ran with the head shipped before (BASE=runs/head-old4, from git as
-# docs/training.md says; benchmarks/results/tau-options-penalty-{ft-pen,head4}.json).
 #   tau      tau_options.py with the fine-tuned head and the shipped one (same prompts, both options
 #            rows and none; greedy, bf16, fixed trees: timing-free, any machine load)
+# The figures in docs/generation.md ran with the head shipped before (BASE=runs/head-old4, from git as
+# docs/training.md says; benchmarks/results/tau-options-penalty-{ft-pen,head4}.json).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 STEPS=${STEPS:-"capture finetune tau"}

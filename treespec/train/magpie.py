@@ -48,6 +48,8 @@ from pathlib import Path
 
 import torch
 
+from ..data import read_jsonl as read_rows  # plain dicts (train.data.read_jsonl makes Examples)
+
 __all__ = ["user_turn_prefix", "generate_user_turns", "filter_user_turns", "EvalOverlap", "normalise",
            "captured_conversations", "filter_follow_ups"]
 
@@ -293,12 +295,6 @@ def _write_gz(path: Path, rows) -> None:
     path.write_bytes(buf.getvalue())
 
 
-def _read_chunk(path: Path) -> list[dict]:
-    """A raw chunk's rows. Lines end at "\n" only: ``str.splitlines`` also cuts at U+2028, U+2029
-    and other separators, which the model writes and ``json.dumps(ensure_ascii=False)`` keeps raw."""
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
-
-
 def _chunk_done(path: Path, part: list[dict] | None) -> bool:
     """Whether a raw chunk is there and, for follow-ups, follows exactly the conversations ``part``
     (a chunk written when the captures held fewer answers, or others, is made again)."""
@@ -306,7 +302,7 @@ def _chunk_done(path: Path, part: list[dict] | None) -> bool:
         return False
     if part is None:
         return True
-    return [r["source"] for r in _read_chunk(path)] == [x["source"] for x in part]
+    return [r["source"] for r in read_rows(path)] == [x["source"] for x in part]
 
 
 def main(argv=None) -> None:
@@ -364,7 +360,7 @@ def main(argv=None) -> None:
                 tmp = work / f"chunk-{c:05d}.jsonl.tmp"
                 tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
                 tmp.replace(work / f"chunk-{c:05d}.jsonl")
-    rows = [r for c in chunks for r in _read_chunk(work / f"chunk-{c:05d}.jsonl")]
+    rows = [r for c in chunks for r in read_rows(work / f"chunk-{c:05d}.jsonl")]
     if follow:
         by_source = {x["source"]: x["messages"] for x in convs}
         rows = [{**r, "messages": by_source[r["source"]]} for r in rows]  # _chunk_done checked every source
