@@ -27,6 +27,7 @@ def test_dry_run_passes_and_prints_the_carried_size():
     assert run.returncode == 0, run.stdout + run.stderr
     out = run.stdout
     assert "ok: benchmarks/micro/verify_cost_gpu.py imports" in out
+    assert "ok: benchmarks/micro/draft_step_gpu.py imports" in out
     collected = re.search(r"ok: tests/test_cuda.py tests/test_backends.py: (\d+) CUDA tests collected", out)
     assert collected and int(collected.group(1)) >= 5, out
     size = re.search(r"carried: ([\d.]+) MiB in (\d+) files .*limit 64 MiB", out)
@@ -44,17 +45,23 @@ def test_dry_run_fails_over_the_carry_limit():
 def test_rehearsal_on_a_cpu_runs_every_step(tmp_path):
     """The GPU run's own code path, on a CPU: a tiny model instead of Llama-3.1-8B's shape, the
     CUDA tests collected and skipped."""
-    run = gpu_check(DEVICE="cpu", SHAPE="tiny", PREFIX="40", SIZES="1,5", REPEATS="1", OUT=str(tmp_path))
+    run = gpu_check(DEVICE="cpu", SHAPE="tiny", PREFIX="40", SIZES="1,5", REPEATS="1", DRAFT_REPEATS="2",
+                    OUT=str(tmp_path))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["cuda-tests.txt", "gpu_check.json", "verify_cost.json",
-                                                          "verify_cost.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "cuda-tests.txt", "draft_step.json", "draft_step.txt", "gpu_check.json", "verify_cost.json", "verify_cost.txt"]
     summary = json.loads((tmp_path / "gpu_check.json").read_text())
     assert summary["environment"]["device"] == "cpu" and summary["environment"]["flex"] == "runs"
     assert [(s["name"], s["exit"], s["timed_out"]) for s in summary["steps"]] == [
-        ("verify_cost", 0, False), ("cuda_tests", 0, False)]
+        ("verify_cost", 0, False), ("draft_step", 0, False), ("cuda_tests", 0, False)]
     cost = json.loads((tmp_path / "verify_cost.json").read_text())
     assert cost["backends"] == ["torch", "flex"] and cost["ok"] and cost["rounds_done"] == 1
     assert [r["q"] for r in cost["rows"]] == [1, 5]
     assert all(r["flex_ok"] and r["torch_ms"] > 0 and r["flex_ms"] > 0 for r in cost["rows"])
-    assert cost["rows"][1]["wrong_mask_max_abs_diff"] > 0  # the check's yardstick is not vacuous
+    row = cost["rows"][1]  # the wrong mask errs far more than bf16 does: the check can fail
+    assert row["wrong_mask_max_abs_error"] > 5 * row["torch_max_abs_error"] and cost["reference"] == "fp32"
+    assert all(r["hf_ms"] > 0 for r in cost["rows"])
+    draft = json.loads((tmp_path / "draft_step.json").read_text())
+    assert draft["ok"] and [r["k"] for r in draft["rows"]] == [1, 4, 8]
+    assert all(r["eager_ms"] > 0 and "graph_ms" not in r for r in draft["rows"])  # a CPU has no graphs
     assert "skipped" in (tmp_path / "cuda-tests.txt").read_text()

@@ -8,16 +8,19 @@
 #      32 layers, 32 heads, 8 KV heads, vocab 128256) with random weights built on the GPU in
 #      bf16: one forward of a random tree of q = 1 .. 128 tokens after 1,536 cached tokens,
 #      median ms per size for each backend (benchmarks/micro/verify_cost_gpu.py);
-#   3. the CUDA tests: flex (and FlashInfer) tree logits against the torch backend, greedy
+#   3. the drafter's step: one tree level of an EAGLE-3 head of Llama-3.1-8B's shape, eager
+#      against a CUDA graph of the same level, k = 1, 4, 8 (benchmarks/micro/draft_step_gpu.py);
+#   4. the CUDA tests: flex (and FlashInfer) tree logits against the torch backend, greedy
 #      equality with HF generate on the GPU through every backend (tests/test_backends.py,
 #      tests/test_cuda.py).
 # Results, under $OUT if set, else benchmarks/results/gpu/: gpu_check.json (environment and
-# each step's exit status and time), verify_cost.json and .txt, cuda-tests.txt.
+# each step's exit status and time), verify_cost.json and .txt, draft_step.json and .txt,
+# cuda-tests.txt.
 #
 #   bash benchmarks/figures/gpu_check.sh             # on the GPU machine
 #   bash benchmarks/figures/gpu_check.sh --dry-run   # anywhere, no GPU: checks that it assembles
-#   LAYERS=16 PREFIX=1024 REPEATS=5 COST_LIMIT=200 TESTS_LIMIT=220 bash benchmarks/figures/gpu_check.sh
-#   DEVICE=cpu SHAPE=tiny PREFIX=40 SIZES=1,5 REPEATS=1 bash benchmarks/figures/gpu_check.sh  # a rehearsal
+#   LAYERS=16 PREFIX=1024 REPEATS=5 COST_LIMIT=200 DRAFT_LIMIT=90 TESTS_LIMIT=220 bash benchmarks/figures/gpu_check.sh
+#   DEVICE=cpu SHAPE=tiny PREFIX=40 SIZES=1,5 REPEATS=1 DRAFT_REPEATS=2 bash benchmarks/figures/gpu_check.sh  # a rehearsal
 #
 # --dry-run checks that every Python file it runs imports (and parses its arguments), that the
 # tests it names exist and are collected, and that what the device tool would carry (the
@@ -33,16 +36,20 @@ LAYERS=${LAYERS:-}                # default: the shape's (32 for Llama-3.1-8B)
 SIZES=${SIZES:-}                  # default: the script's, 1 .. 128
 PREFIX=${PREFIX:-1536}
 REPEATS=${REPEATS:-10}
-COST_LIMIT=${COST_LIMIT:-200}     # seconds for step 2
-TESTS_LIMIT=${TESTS_LIMIT:-220}   # seconds for step 3
+COST_LIMIT=${COST_LIMIT:-180}     # seconds for step 2
+DRAFT_LIMIT=${DRAFT_LIMIT:-60}    # seconds for step 3
+TESTS_LIMIT=${TESTS_LIMIT:-180}   # seconds for step 4
 COST_SCRIPT=benchmarks/micro/verify_cost_gpu.py
+DRAFT_SCRIPT=benchmarks/micro/draft_step_gpu.py
 TESTS=(tests/test_cuda.py tests/test_backends.py)
 CARRY_LIMIT_MIB=${CARRY_LIMIT_MIB:-64}  # what the device tool carries at most
 
 if [ "${1:-}" = "--dry-run" ]; then
   fail=0
-  "$PY" "$COST_SCRIPT" --help >/dev/null && echo "ok: $COST_SCRIPT imports and parses its arguments" \
-    || { echo "FAIL: $COST_SCRIPT does not import"; fail=1; }
+  for script in "$COST_SCRIPT" "$DRAFT_SCRIPT"; do
+    "$PY" "$script" --help >/dev/null && echo "ok: $script imports and parses its arguments" \
+      || { echo "FAIL: $script does not import"; fail=1; }
+  done
   collected=$("$PY" -m pytest --collect-only -q -p no:cacheprovider -m cuda "${TESTS[@]}" 2>&1 | tail -1)
   if [[ "$collected" =~ ^([0-9]+)(/[0-9]+)?\ tests?\ collected ]] && [ "${BASH_REMATCH[1]}" -gt 0 ]; then
     echo "ok: ${TESTS[*]}: ${BASH_REMATCH[1]} CUDA tests collected"
@@ -64,11 +71,12 @@ if os.path.isdir("shared"):
 size = {p: os.lstat(p).st_size for p in paths if os.path.lexists(p)}
 mib = sum(size.values()) / 2**20
 needed = sum(s for p, s in size.items() if p.startswith(("treespec/", "tests/", "benchmarks/micro/verify_cost_gpu.py",
+                                                          "benchmarks/micro/draft_step_gpu.py",
                                                           "benchmarks/figures/gpu_check.sh", "benchmarks/timing.py")))
 limit = float(sys.argv[1])
 print(f"carried: {mib:.1f} MiB in {len(size)} files (the working tree as the device tool copies it; "
       f"limit {limit:.0f} MiB); of which the check needs {needed / 2**20:.1f} MiB "
-      f"(treespec/, tests/, benchmarks/timing.py and the two scripts)")
+      f"(treespec/, tests/, benchmarks/timing.py and the three scripts)")
 if mib > limit:
     print(f"FAIL: {mib:.1f} MiB is over the {limit:.0f} MiB the device tool carries")
     sys.exit(1)
@@ -114,7 +122,11 @@ run_step verify_cost "$COST_LIMIT" bash -c "set -o pipefail; '$PY' $COST_SCRIPT 
   ${LAYERS:+--layers $LAYERS} ${SIZES:+--sizes $SIZES} --prefix $PREFIX --repeats $REPEATS \
   --out '$OUT/verify_cost.json' 2>&1 | tee '$OUT/verify_cost.txt'"
 
-# 3. The CUDA tests (a skip says what is missing: -rs lists why).
+# 3. The drafter's step, eager against a CUDA graph (on a CPU the eager half alone).
+run_step draft_step "$DRAFT_LIMIT" bash -c "set -o pipefail; '$PY' $DRAFT_SCRIPT --device $DEVICE --shape $SHAPE \
+  --prefix $PREFIX ${DRAFT_REPEATS:+--repeats $DRAFT_REPEATS} --out '$OUT/draft_step.json' 2>&1 | tee '$OUT/draft_step.txt'"
+
+# 4. The CUDA tests (a skip says what is missing: -rs lists why).
 run_step cuda_tests "$TESTS_LIMIT" bash -c "set -o pipefail; '$PY' -m pytest -q -rs -p no:cacheprovider -m cuda \
   ${TESTS[*]} 2>&1 | tee '$OUT/cuda-tests.txt'"
 
