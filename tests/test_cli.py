@@ -18,7 +18,9 @@ from treespec import cli, models
 from treespec.assets import DRAFTS
 from treespec.bench import format_table
 from treespec.cli.bench import bench_pairs as _bench_pairs
+from treespec.cli.common import DEFAULT_TREES
 from treespec.cli.common import portable as _portable
+from treespec.cli.loading import check
 from treespec.drafters import RecordingDrafter
 from treespec.text import TextStream
 
@@ -153,16 +155,21 @@ def bench_pairs(*argv):
     return _bench_pairs(cli.build_parser().parse_args(["bench", *argv]))
 
 
-def test_bench_default_configs_are_the_fastest_measured():
-    """The shipped head with prompt lookup grafted on and auto first (generate's default
-    draft and tree: the fastest measured, docs/benchmarks.md), its chain-3 (fastest on
-    GSM8K), and the head alone with auto."""
+def test_bench_default_configs_are_generates_defaults_and_the_head_alone():
+    """The shipped head with prompt lookup grafted on, with auto trees and with chain-3
+    (generate's defaults on a GPU and on a CPU: the fastest measured there,
+    docs/benchmarks.md), and the head alone with auto."""
     hybrid = f"{SHIPPED}+lookup"
     assert bench_pairs() == [(hybrid, "auto"), (hybrid, "chain-3"), (SHIPPED, "auto")]
     args = cli.build_parser().parse_args(["generate"])
-    assert (args.draft, args.tree) == (hybrid, "auto")
+    assert (args.draft, args.tree) == (hybrid, None)  # None: the device's default, resolved by check
+    assert DEFAULT_TREES == {"cpu": "chain-3", "cuda": "auto"}
+    assert set(DEFAULT_TREES.values()) <= {t for _, t in bench_pairs()}
+    args = cli.build_parser().parse_args(["generate", "--device", "cpu"])
+    _, trees = check(args, [args.tree])
+    assert args.tree == "chain-3" and trees["chain-3"][1] == "chain-3"
     readme = (Path(cli.__file__).parents[2] / "README.md").read_text()
-    assert f"--config {hybrid}@auto" in readme  # the recommendation
+    assert f"--config {hybrid}@chain-3" in readme  # the recommendation
 
 
 def test_bench_pairs_from_flags():
@@ -216,8 +223,8 @@ def test_text_stream_waits_for_whole_characters(lm):
 
 
 def test_generate_ngram_streams_the_greedy_continuation(capsys, caplog, monkeypatch, lm, lm_dir, tmp_path):
-    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))  # the default tree, auto, measures a cost curve
-    rc, out, err = run(capsys, "generate", "--model", lm_dir, "--draft", "ngram",
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))  # an auto tree measures a cost curve
+    rc, out, err = run(capsys, "generate", "--model", lm_dir, "--draft", "ngram", "--tree", "auto",
                        "--prompt", "Once upon a time", "--max-new-tokens", "16")
     assert rc == 0
     expected = greedy_text(*lm, "Once upon a time", 16)
