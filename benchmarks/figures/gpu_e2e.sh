@@ -22,7 +22,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export TREESPEC_CACHE=${TREESPEC_CACHE:-/tmp/treespec-cache}
 dir=$TREESPEC_CACHE/models/smollm2-135m-instruct
 mkdir -p "$dir"
-[ -f "$dir/SmolLM2-135M-Instruct.Q4_1.gguf" ] || cp "${GGUF:?GGUF=path to SmolLM2-135M-Instruct.Q4_1.gguf}" "$dir/"
+[ -f "$dir/SmolLM2-135M-Instruct.Q4_1.gguf" ] || cp "${GGUF:?GGUF=path to SmolLM2-135M-Instruct.Q4_1.gguf}" "$dir/SmolLM2-135M-Instruct.Q4_1.gguf"
 bench=(python3 -m treespec.cli bench --device cuda --dtype bfloat16 --dataset gsm8k --num-prompts "$N"
        --max-new-tokens 256 --no-hf-lookup --no-treespec-ar)
 rc=0
