@@ -14,8 +14,8 @@ from .common import (DEFAULT_DRAFT, DEFAULT_SPEC, Bars, UserError, add_auto_prof
                      portable)
 
 # The configurations run when none is asked for: the hybrid with auto trees and with chain-3
-# (generate's defaults on a GPU and on a CPU) and the head alone with auto, the three to
-# compare on a new machine (docs/benchmarks.md has what they measured).
+# (generate's default) and the head alone with auto, the three to compare on a new machine
+# (docs/benchmarks.md has what they measured).
 DEFAULT_BENCH_CONFIGS = (f"{DEFAULT_SPEC}@auto", f"{DEFAULT_SPEC}@chain-3", f"{DEFAULT_DRAFT}@auto")
 
 

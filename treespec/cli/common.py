@@ -20,11 +20,11 @@ log = logging.getLogger(__package__)  # "treespec.cli", the name -v and the test
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_DRAFT = "smollm2-135m-instruct-eagle"
-# generate's draft and tree when none is asked for: the shipped head with prompt lookup grafted onto its trees; on a
-# CPU its chain-3 (within 3% of the fastest on every Spec-Bench category, GSM8K and HumanEval; auto 13% behind on QA),
-# on a GPU auto, whose trees grow where a verify costs little more with more tokens (docs/benchmarks.md).
+# generate's draft and tree when none is asked for: the shipped head with prompt lookup grafted onto its chain-3, within
+# 3% of the fastest on every Spec-Bench category, GSM8K and HumanEval on a CPU (auto 13% behind on QA) and ahead of
+# auto on the one GPU measured (docs/benchmarks.md).
 DEFAULT_SPEC = f"{DEFAULT_DRAFT}+lookup"
-DEFAULT_TREES = {"cpu": "chain-3", "cuda": "auto"}
+DEFAULT_TREE = "chain-3"
 MODEL_HELP = "target: a treespec name, HF id or path"
 DRAFT_HELP = ("a shipped head name, an EAGLE head directory, 'ngram', 'layers:K' (the target's first K layers as a "
               "draft model) or 'model:NAME_OR_PATH'; any model drafter with '+lookup' appended also grafts prompt "
@@ -46,9 +46,9 @@ def add_pair(p):
     """--draft and --tree, one of each (generate, chat; bench takes several)."""
     p.add_argument("--draft", default=DEFAULT_SPEC,
                    help=DRAFT_HELP + " (default: %(default)s, the shipped head with prompt lookup)")
-    p.add_argument("--tree", default=None,
-                   help="a preset name or a JSON tree file (default: chain-3 on a CPU, the fastest measured there with "
-                        "the shipped head; auto on a GPU: each step's tree sized from the measured verify costs)")
+    p.add_argument("--tree", default=DEFAULT_TREE,
+                   help="a preset name or a JSON tree file (default: %(default)s, the fastest measured with the shipped "
+                        "head; auto sizes each step's tree from this machine's measured verify costs)")
 
 
 def add_dataset(p):

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from .common import DEFAULT_TREES, Bars, UserError, auto_profile, check_early, generation_options, log, sampling
+from .common import Bars, UserError, auto_profile, check_early, generation_options, log, sampling
 from .specs import LOOKUP_SUFFIX, check_draft_spec, tree
 
 __all__ = ["LOOKUP_SUFFIX", "check_draft_spec", "tree", "check", "stream_options", "load", "load_model", "drafter",
@@ -25,13 +25,10 @@ __all__ = ["LOOKUP_SUFFIX", "check_draft_spec", "tree", "check", "stream_options
 
 def check(args, trees: Iterable[str] = (), drafts: Iterable[str] = (), then: Iterable[Callable] = ()):
     """``(SamplingParams or None, {tree spec: (TreeConfig, name)})`` once every check that
-    needs no model has passed; ``then`` runs between the trees and the drafts. A tree of None
-    is the default for the device (``args.tree`` is set to it)."""
+    needs no model has passed; ``then`` runs between the trees and the drafts."""
     check_early(args)
     sp = sampling(args)
-    if getattr(args, "tree", "") is None:
-        args.tree = default_tree(args)
-    parsed = {t: tree(t) for t in dict.fromkeys(args.tree if t is None else t for t in trees)}
+    parsed = {t: tree(t) for t in dict.fromkeys(trees)}
     for step in then:
         step()
     for d in dict.fromkeys(drafts):
@@ -67,11 +64,6 @@ def load_model(name, dtype=None):
         raise UserError(str(e)) from None
     except OSError as e:  # a folder transformers cannot read
         raise UserError(f"cannot load the model {name!r}: {e}".splitlines()[0]) from None
-
-
-def default_tree(args) -> str:
-    """The tree when --tree is not given: :data:`.common.DEFAULT_TREES` for the device's type."""
-    return DEFAULT_TREES.get(device(args).split(":")[0], DEFAULT_TREES["cpu"])
 
 
 def device(args) -> str:
