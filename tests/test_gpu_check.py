@@ -1,8 +1,9 @@
 """``benchmarks/figures/gpu_check.sh`` (run here through ``benchmarks/gpu_check.sh``, the path
 issue 29 names, which hands on its arguments) assembles without a GPU: ``--dry-run`` passes (its Python
-script imports, the CUDA tests it names are collected, what a run carries fits in 64 MiB) and
+scripts import, the CUDA tests it names are collected, what a run carries fits in 64 MiB) and
 fails when the carried size is over its limit; and the whole script, rehearsed on a CPU with a
-tiny model, runs every step and writes its results."""
+tiny model, runs every step and writes its results. ``benchmarks/figures/gpu_e2e.sh`` (it needs
+a GPU and the model's GGUF) is at least checked to parse."""
 
 from __future__ import annotations
 
@@ -60,8 +61,15 @@ def test_rehearsal_on_a_cpu_runs_every_step(tmp_path):
     assert all(r["flex_ok"] and r["torch_ms"] > 0 and r["flex_ms"] > 0 for r in cost["rows"])
     row = cost["rows"][1]  # the wrong mask errs far more than bf16 does: the check can fail
     assert row["wrong_mask_max_abs_error"] > 5 * row["torch_max_abs_error"] and cost["reference"] == "fp32"
-    assert all(r["hf_ms"] > 0 for r in cost["rows"])
+    assert all(r.get("hf_ms", 0) > 0 for r in cost["rows"]), "the HF forward timing was skipped: " + run.stdout[-2000:]
+    assert all(r["bound_catches_wrong_mask"] for r in cost["rows"])
     draft = json.loads((tmp_path / "draft_step.json").read_text())
     assert draft["ok"] and [r["k"] for r in draft["rows"]] == [1, 4, 8]
     assert all(r["eager_ms"] > 0 and "graph_ms" not in r for r in draft["rows"])  # a CPU has no graphs
     assert "skipped" in (tmp_path / "cuda-tests.txt").read_text()
+
+
+def test_the_end_to_end_script_parses():
+    run = subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "figures" / "gpu_e2e.sh")], capture_output=True,
+                         text=True)
+    assert run.returncode == 0, run.stderr

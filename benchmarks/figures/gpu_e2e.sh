@@ -3,19 +3,21 @@
 # shipped EAGLE-3 head, `treespec bench` on the first N GSM8K test questions, 256 new tokens,
 # bf16, greedy, side by side with HF generate on the same GPU (greedy outputs compared too).
 # The model cannot be downloaded there, so its Q4_1 GGUF (98 MB, the file every first run
-# converts) is brought along (GGUF=...; the device tool carries 64 MiB a call, so it travels
-# in pieces, joined there), and the `gguf` package as a wheel (WHEELS=dir) where it is missing.
+# converts) is brought along (GGUF=... names the whole file: the device tool carries 64 MiB a
+# call, so it travels in pieces that are joined with cat before this script runs), and the
+# `gguf` package as a wheel (WHEELS=dir) where it is missing.
 #   GGUF=/path/SmolLM2-135M-Instruct.Q4_1.gguf [WHEELS=dir] [N=5] bash benchmarks/figures/gpu_e2e.sh
 # Writes gpu-gsm8k$N-fixed.{json,txt,log} (the hybrid's chain-3, the head alone's chain-3) and
 # gpu-gsm8k$N-auto.{json,txt,log} (the hybrid with auto: it first measures this GPU's verify
 # costs) under $OUT, else benchmarks/results/gpu/; each bench has a time limit.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+PY=${PYTHON:-$(command -v python3 || command -v python)}
 OUT=${OUT:-benchmarks/results/gpu}
 N=${N:-5}
 mkdir -p "$OUT"
 if [ -n "${WHEELS:-}" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/treespec-site "$WHEELS"/*.whl || exit 1
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/treespec-site "$WHEELS"/*.whl || exit 1
   export PYTHONPATH=/tmp/treespec-site
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -23,13 +25,13 @@ export TREESPEC_CACHE=${TREESPEC_CACHE:-/tmp/treespec-cache}
 dir=$TREESPEC_CACHE/models/smollm2-135m-instruct
 mkdir -p "$dir"
 [ -f "$dir/SmolLM2-135M-Instruct.Q4_1.gguf" ] || cp "${GGUF:?GGUF=path to SmolLM2-135M-Instruct.Q4_1.gguf}" "$dir/SmolLM2-135M-Instruct.Q4_1.gguf"
-bench=(python3 -m treespec.cli bench --device cuda --dtype bfloat16 --dataset gsm8k --num-prompts "$N"
+bench=("$PY" -m treespec.cli bench --device cuda --dtype bfloat16 --dataset gsm8k --num-prompts "$N"
        --max-new-tokens 256 --no-hf-lookup --no-treespec-ar)
-rc=0
+rc=0  # the first failure's exit status (124: out of time)
 timeout --kill-after=10 "${FIXED_LIMIT:-240}" "${bench[@]}" --config smollm2-135m-instruct-eagle+lookup@chain-3 \
   --config smollm2-135m-instruct-eagle@chain-3 --out "$OUT/gpu-gsm8k$N-fixed.json" 2>&1 | tee "$OUT/gpu-gsm8k$N-fixed.log"
-rc=$(( rc | PIPESTATUS[0] ))
+status=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$status; echo "== fixed trees: exit $status"
 timeout --kill-after=10 "${AUTO_LIMIT:-200}" "${bench[@]}" --config smollm2-135m-instruct-eagle+lookup@auto \
   --out "$OUT/gpu-gsm8k$N-auto.json" 2>&1 | tee "$OUT/gpu-gsm8k$N-auto.log"
-rc=$(( rc | PIPESTATUS[0] ))
+status=${PIPESTATUS[0]}; [ "$rc" = 0 ] && rc=$status; echo "== auto: exit $status"
 exit "$rc"

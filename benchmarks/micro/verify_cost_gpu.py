@@ -8,18 +8,20 @@ which changes no cost), built with random weights directly on the GPU in bf16.
     python benchmarks/micro/verify_cost_gpu.py --out DIR/verify_cost.json [--layers 32] [--prefix 1536]
 
 At every size the script also checks each backend's tree logits against those of the same
-model in fp32 (a copy of its weights, the torch backend, the same cache contents and tree): a
-backend passes when its error is at most twice the torch backend's own bf16 error (plus 0.1% of
-the logits' scale), the size of error that summing in another order gives. The torch
-backend's logits under a wrong mask (each node seeing only the prefix and itself) are reported
-beside it, to show what a masking bug would do; a backend that fails makes the script exit 1
-after writing its JSON. The first call of each size is reported apart (``first_ms``): for flex
+weights in fp32 (a copy of the model, the torch backend, its own cache of the same prompt
+prefilled in fp32, the same tree): a backend passes when its error is at most 1.25 times the
+torch backend's own bf16 error (plus 0.1% of the logits' scale): kernels that sum in another
+order err about alike. The torch backend's logits under a wrong mask (each node seeing only
+the prefix and itself) are reported beside it, to show what a masking bug would do, and the
+check fails where that bound would not catch it (a wrong mask's error under the bound, q >= 2);
+a backend that fails makes the script exit 1 after writing its JSON. The fp32 copy needs room:
+at Llama-3.1-8B's shape the run peaked at 46 GiB of GPU memory (``--layers`` makes it smaller). The first call of each size is reported apart (``first_ms``): for flex
 it holds the kernel's compilation. ``hf_ms`` is the same model's own HF forward of q causal
 tokens after the same prefix (a DynamicCache cropped back after each call): the cost of a
 forward without treespec's runner, its paged cache or a tree.
 
-Feeds no table yet: docs/benchmarks.md, "GPU: a check that runs on a bare machine", says so;
-run by benchmarks/figures/gpu_check.sh. ``--shape tiny --device cpu`` runs the same code in
+Feeds docs/benchmarks.md, "The first run (H200, 2026-12-04)"; run by
+benchmarks/figures/gpu_check.sh. ``--shape tiny --device cpu`` runs the same code in
 seconds on a CPU (tests/test_gpu_check.py).
 """
 
@@ -58,7 +60,7 @@ SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 # A backend passes when its error against the fp32 logits is at most this many times the torch
 # backend's (bf16 kernels that sum in another order err about alike), plus a floor of this
 # share of the logits' scale (in fp32 the torch backend's own error is zero).
-MAX_ERROR_VS_TORCH = 2.0
+MAX_ERROR_VS_TORCH = 1.25
 ERROR_FLOOR = 1e-3
 
 
@@ -136,13 +138,17 @@ def check_size(bench: Bench, backends: list[str], tree: Tree, row: dict, referen
     wrong = bench.forward("torch", tree, torch.eye(tree.num_nodes, dtype=torch.bool)).float()
     row["wrong_mask_max_abs_error"] = float((wrong - ref).abs().max())
     torch_error = float((first["torch"].float() - ref).abs().max())
-    ok = True
+    bound = MAX_ERROR_VS_TORCH * torch_error + ERROR_FLOOR * scale
+    row["error_bound"] = bound
+    # A bound a wrong mask would pass is no check (q = 1: the only mask there is is right).
+    ok = tree.num_nodes == 1 or row["wrong_mask_max_abs_error"] > bound
+    row["bound_catches_wrong_mask"] = ok
     for b in backends:
         error = float((first[b].float() - ref).abs().max())
         row[f"{b}_max_abs_error"] = error
         row[f"{b}_argmax_agree"] = float((first[b].float().argmax(-1) == ref.argmax(-1)).float().mean())
         if b != "torch":
-            row[f"{b}_ok"] = error <= MAX_ERROR_VS_TORCH * torch_error + ERROR_FLOOR * scale
+            row[f"{b}_ok"] = error <= bound
             ok &= row[f"{b}_ok"]
     return ok
 
