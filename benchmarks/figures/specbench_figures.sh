@@ -1,15 +1,14 @@
 #!/usr/bin/env bash
 # Issue 26: Spec-Bench as its "done when" asks (bf16, packed weights, greedy, 256 new tokens, ten
 # questions per category, MT-bench both turns), side by side in one run: plain HF generate, HF
-# generate on the same packed weights, HF prompt lookup, and the shipped head with prompt lookup
-# on auto trees and on chain-3 (the command line's default since 2026-12-04; auto before), and
-# the head alone on auto trees. Feeds
+# generate on the same packed weights, HF prompt lookup, and treespec's default (the shipped
+# head with prompt lookup on auto trees), the hybrid's chain-3 and the head alone. Feeds
 # docs/benchmarks.md, "Spec-Bench". Run on a quiet machine (nothing else on the cores): about
 # 75 minutes on a 2-core AMD EPYC Zen 4.
 #
 #   bash benchmarks/figures/specbench_figures.sh        # STEPS="spec10" (the default)
 #
-# spec480: all 480 questions (80 per category): the hybrid with auto and with chain-3
+# spec480: all 480 questions (80 per category): the default configuration and the hybrid's chain-3
 # (issue 26 item 5: which to pick per category) beside plain HF generate, HF generate on the same
 # packed weights and HF prompt lookup, about six hours on two cores: it keeps a journal
 # (benchmarks/results/specbench480-256-bf16.jsonl, committed as it grows) and the same command

@@ -1,6 +1,6 @@
 """The draft's share of a decoding step, and what verification costs, variant by variant in
 one run (issue 29): every prompt through each variant in turn, the shipped head with prompt
-lookup and an ``auto`` tree (the command line's default when this ran), greedy, packed weights.
+lookup and the default ``auto`` tree, greedy, packed weights.
 
 Variants (``--variants``, in the order given):
   ``general``   the batch-planned EAGLE pass every request took before the lean one, and

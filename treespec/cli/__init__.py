@@ -158,7 +158,7 @@ def _main(argv) -> int:
     args.argv = argv
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    # What a first run waits on is said, -v or not: --tree auto measures this machine's verify costs,
+    # What a first run waits on is said, -v or not: auto measures this machine's verify costs,
     # and the packing choice (measured once) says which weights treespec runs on.
     logging.getLogger("treespec.costs").setLevel(logging.INFO)
     logging.getLogger("treespec.pack_choice").setLevel(logging.INFO)

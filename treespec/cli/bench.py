@@ -9,13 +9,13 @@ import shlex
 import sys
 from pathlib import Path
 
-from .common import (DEFAULT_DRAFT, DEFAULT_SPEC, Bars, UserError, add_auto_profile, add_dataset,
+from .common import (DEFAULT_DRAFT, DEFAULT_SPEC, DEFAULT_TREE, Bars, UserError, add_auto_profile, add_dataset,
                      add_model, add_runtime, add_sampling, auto_profile, generation_options, log,
                      portable)
 
-# The configurations run when none is asked for: the hybrid with auto trees and with chain-3
-# (generate's default) and the head alone with auto, the three to compare on a new machine
-# (docs/benchmarks.md has what they measured).
+# The configurations run when none is asked for: generate's default (the hybrid with auto
+# trees), the hybrid's chain-3 and the head alone with auto, the three to compare on a new
+# machine (docs/benchmarks.md has what they measured).
 DEFAULT_BENCH_CONFIGS = (f"{DEFAULT_SPEC}@auto", f"{DEFAULT_SPEC}@chain-3", f"{DEFAULT_DRAFT}@auto")
 
 
@@ -34,7 +34,7 @@ def add_arguments(p):
                         f"'model:NAME', with '+lookup' grafting prompt lookup onto a model drafter's trees "
                         f"(default: {DEFAULT_SPEC})")
     p.add_argument("--tree", action="append", default=None,
-                   help="tree to run with each draft (repeatable): preset or JSON file (default: auto, beside --chain's)")
+                   help=f"tree to run with each draft (repeatable): preset or JSON file (default: {DEFAULT_TREE})")
     p.add_argument("--chain", type=int, default=None, metavar="K",
                    help="also run each draft with a chain of K (default: 3 for ngram, 2 for others; 0: none)")
     p.add_argument("--config", action="append", default=None, metavar="DRAFT@TREE",
@@ -85,7 +85,7 @@ def bench_pairs(args) -> list[tuple[str, str]]:
     if not (args.draft or args.tree or args.chain is not None):
         return [tuple(c.rsplit("@", 1)) for c in DEFAULT_BENCH_CONFIGS]
     drafts = args.draft or [DEFAULT_SPEC]
-    trees = args.tree or ["auto"]
+    trees = args.tree or [DEFAULT_TREE]
     pairs = []
     for d in drafts:
         k = args.chain if args.chain is not None else (3 if d == "ngram" else 2)

@@ -20,11 +20,10 @@ log = logging.getLogger(__package__)  # "treespec.cli", the name -v and the test
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_DRAFT = "smollm2-135m-instruct-eagle"
-# generate's draft and tree when none is asked for: the shipped head with prompt lookup grafted onto its chain-3, within
-# 3% of the fastest on every Spec-Bench category, GSM8K and HumanEval on a CPU (auto 13% behind on QA) and level with
-# auto on the one GPU measured (docs/benchmarks.md).
+# generate's draft and tree when none is asked for: the shipped head with prompt lookup grafted onto its trees, each
+# step's tree chosen from this machine's costs (auto); level with chain-3, the fastest fixed tree (docs/benchmarks.md).
 DEFAULT_SPEC = f"{DEFAULT_DRAFT}+lookup"
-DEFAULT_TREE = "chain-3"
+DEFAULT_TREE = "auto"
 MODEL_HELP = "target: a treespec name, HF id or path"
 DRAFT_HELP = ("a shipped head name, an EAGLE head directory, 'ngram', 'layers:K' (the target's first K layers as a "
               "draft model) or 'model:NAME_OR_PATH'; any model drafter with '+lookup' appended also grafts prompt "
@@ -47,8 +46,9 @@ def add_pair(p):
     p.add_argument("--draft", default=DEFAULT_SPEC,
                    help=DRAFT_HELP + " (default: %(default)s, the shipped head with prompt lookup)")
     p.add_argument("--tree", default=DEFAULT_TREE,
-                   help="a preset name or a JSON tree file (default: %(default)s, within 3%% of the fastest measured on a CPU "
-                        "with the shipped head; auto sizes each step's tree from this machine's measured verify costs)")
+                   help="a preset name or a JSON tree file (default: %(default)s: each step verifies the tree that "
+                        "pays most from this machine's measured verify costs and the draft's calibrated scores; "
+                        "level with chain-3, the fastest fixed preset with the shipped head, docs/benchmarks.md)")
 
 
 def add_dataset(p):
