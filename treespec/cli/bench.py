@@ -40,7 +40,8 @@ def add_arguments(p):
     p.add_argument("--config", action="append", default=None, metavar="DRAFT@TREE",
                    help="run exactly these draft/tree pairs instead of --draft x (chain + --tree) (repeatable). "
                         "With none of --config, --draft, --tree, --chain: "
-                        + ", ".join(DEFAULT_BENCH_CONFIGS) + " (the fastest on a 2-core CPU, docs/benchmarks.md)")
+                        + ", ".join(DEFAULT_BENCH_CONFIGS) + " (generate's default, the fastest fixed tree with it, the head alone; "
+                        "docs/benchmarks.md)")
     p.add_argument("--lookup-tokens", type=int, default=3, metavar="K",
                    help="HF prompt lookup's prompt_lookup_num_tokens (default: %(default)s, as ngram's chain-3)")
     p.add_argument("--no-hf-lookup", action="store_true", help="skip HF prompt lookup")
