@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -31,7 +30,7 @@ sys.path.insert(0, str(ROOT))  # the checkout's treespec and benchmarks.timing
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from benchmarks.timing import Timer, command  # noqa: E402
+from benchmarks.timing import command, median_ms  # noqa: E402
 from treespec.drafters.eagle import EagleHead, HeadConfig  # noqa: E402
 from treespec.machine import machine_info  # noqa: E402
 
@@ -104,15 +103,6 @@ class Level:
         return self.top_ids, self.top_logp, self.states
 
 
-def median_ms(fn, sync, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        with Timer(sync) as t:
-            fn()
-        times.append(t.ms)
-    return statistics.median(times)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b")
@@ -136,7 +126,7 @@ def main(argv=None) -> int:
             for _ in range(3):  # warm-up: allocator, cuBLAS handles, kernel selection
                 level.run()
             eager_ids, eager_logp, _ = (t.clone() for t in level.run())
-            row = {"k": k, "eager_ms": median_ms(level.run, sync, args.repeats)}
+            row = {"k": k, "eager_ms": median_ms(level.run, args.repeats, sync=sync)}
             if cuda:
                 stream = torch.cuda.Stream()
                 stream.wait_stream(torch.cuda.current_stream())
@@ -149,7 +139,7 @@ def main(argv=None) -> int:
                     level.run()
                 graph.replay()
                 sync()
-                row["graph_ms"] = median_ms(graph.replay, sync, args.repeats)
+                row["graph_ms"] = median_ms(graph.replay, args.repeats, sync=sync)
                 row["ids_equal"] = bool(torch.equal(level.top_ids, eager_ids))
                 row["max_abs_logp_diff"] = float((level.top_logp - eager_logp).abs().max())
                 row["speedup"] = row["eager_ms"] / row["graph_ms"]

@@ -15,8 +15,9 @@ order err about alike. The torch backend's logits under a wrong mask (each node 
 the prefix and itself) are reported beside it, to show what a masking bug would do, and the
 check fails where that bound would not catch it (a wrong mask's error under the bound, q >= 2);
 a backend that fails makes the script exit 1 after writing its JSON. The fp32 copy needs room:
-at Llama-3.1-8B's shape the run peaked at 46 GiB of GPU memory (``--layers`` makes it smaller). The first call of each size is reported apart (``first_ms``): for flex
-it holds the kernel's compilation. ``hf_ms`` is the same model's own HF forward of q causal
+at Llama-3.1-8B's shape the run peaked at 46 GiB of GPU memory (``--layers`` makes it smaller).
+The first call of each size is reported apart (``first_ms``): for flex it holds the kernel's
+compilation. ``hf_ms`` is the same model's own HF forward of q causal
 tokens after the same prefix (a DynamicCache cropped back after each call): the cost of a
 forward without treespec's runner, its paged cache or a tree.
 
@@ -28,11 +29,11 @@ seconds on a CPU (tests/test_gpu_check.py).
 from __future__ import annotations
 
 import argparse
-import warnings
 import json
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,7 +107,7 @@ class Bench:
         self.cache = ref.new_cache([prefix + max_q])
         self.seq = self.cache.add_sequence()
         g = torch.Generator().manual_seed(0)
-        prompt = torch.randint(0, ref.vocab_size, (prefix,), generator=g)
+        self.prompt = prompt = torch.randint(0, ref.vocab_size, (prefix,), generator=g)
         with ref.attached():
             ref.forward(self.cache, [self.seq], [prompt.to(self.device)], [torch.arange(prefix)],
                         [causal_mask(prefix)], logits_rows=[[prefix - 1]])
@@ -154,18 +155,16 @@ def check_size(bench: Bench, backends: list[str], tree: Tree, row: dict, referen
 
 
 class HFForward:
-    """The model's own forward (HF's attention, a DynamicCache holding the same prefix) of q
-    causal tokens, cropped back to the prefix after each call."""
+    """The model's own forward (HF's attention, a DynamicCache holding ``prompt``, the bench's
+    prefix) of q causal tokens, cropped back to the prefix after each call."""
 
-    def __init__(self, model, prefix: int, sync):
+    def __init__(self, model, prompt: torch.Tensor, sync):
         from transformers import DynamicCache
 
-        self.model, self.prefix, self.sync = model, prefix, sync
+        self.model, self.sync = model, sync
         self.cache = DynamicCache(config=model.config)
-        g = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, model.config.vocab_size, (1, prefix), generator=g).to(model.device)
         with torch.inference_mode():
-            model(ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+            model(prompt.to(model.device)[None], past_key_values=self.cache, use_cache=True, logits_to_keep=1)
 
     def timed(self, q: int) -> float:
         ids = torch.arange(q, device=self.model.device)[None] % self.model.config.vocab_size
@@ -206,7 +205,7 @@ def main(argv=None) -> int:
     hf = None
     if not args.no_hf:
         try:  # a side figure: a transformers whose cache API differs must not cost the check
-            hf = HFForward(model, args.prefix, bench.sync)
+            hf = HFForward(model, bench.prompt, bench.sync)
             hf.timed(1)
         except Exception as err:  # noqa: BLE001
             print(f"HF forward timing skipped: {type(err).__name__}: {err}", flush=True)
