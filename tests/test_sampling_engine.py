@@ -24,6 +24,7 @@ from treespec.costs import CostCurve
 from treespec.drafters.model import ModelDrafter
 from treespec.drafters.hybrid import HybridDrafter
 from treespec.drafters.ngram import NgramDrafter
+from treespec.processing import RequestDecoding
 
 
 @functools.lru_cache(maxsize=None)
@@ -231,6 +232,45 @@ def test_distribution_test_has_teeth():
         assert stat >= thr, wrong_params
         stat, thr = chi_square(counts, wrong, N)
         assert stat < thr  # and accepts them against their own distribution
+
+
+def test_engine_distribution_test_has_teeth(monkeypatch):
+    """The engine-level test above rejects an engine whose verification is wrong in the way
+    speculative sampling goes wrong: a drafted child kept whenever the target allows it
+    (processed probability above zero) instead of only when it is the target's own sample
+    there. Same model, drafter, tree and N as the test it guards."""
+    walk = RequestDecoding.walk
+
+    def keep_any_allowed_child(self, history, logits, tree):
+        if self.greedy:
+            return walk(self, history, logits, tree)
+        parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
+        child = {(parents[i], tokens[i]): i for i in range(1, len(parents))}
+        first = {}
+        for i in range(1, len(parents)):
+            first.setdefault(parents[i], i)
+        out = torch.full((len(parents),), -1, dtype=torch.int64)
+        h, node, path = torch.as_tensor(history, dtype=torch.int64), 0, []
+        while node >= 0:
+            scores = self.processor(torch.cat([h, torch.tensor(path, dtype=torch.int64)]), logits[node: node + 1].float())
+            c = int(self.pick(scores, len(h) + len(path))[0])
+            if node in first and bool(torch.isfinite(scores[0, tokens[first[node]]])):
+                c = tokens[first[node]]  # the bug: the draft's first child kept, sample or not
+            out[node] = c
+            node = child.get((node, c), -1)
+            path.append(c)
+        return out
+
+    monkeypatch.setattr(RequestDecoding, "walk", keep_any_allowed_child)
+    model = soft_model(1, vocab=E2E_V, peak=6.0)
+    N = 400
+    out = treespec.generate(model, ModelDrafter(twin(1, vocab=E2E_V, peak=6.0)), TreeConfig.dynamic(3, 3, 6),
+                            [E2E_PROMPT] * N, max_new_tokens=3, seed=10_000, **E2E_PARAMS)
+    counts: dict = {}
+    for s in out.sequences:
+        counts[tuple(s[:2])] = counts.get(tuple(s[:2]), 0) + 1
+    stat, thr = chi_square(counts, exact_joint(model, E2E_PROMPT, SamplingParams(**E2E_PARAMS), 2), N)
+    assert stat >= thr, f"a wrong verification passed: chi2 {stat:.1f} < {thr:.1f}"
 
 
 def draw(joint: dict, N: int, seed: int) -> dict:

@@ -3,8 +3,8 @@
 # questions per category, MT-bench both turns), side by side in one run: plain HF generate, HF
 # generate on the same packed weights, HF prompt lookup, and treespec's default (the shipped
 # head with prompt lookup on auto trees), the hybrid's chain-3 and the head alone. Feeds
-# docs/benchmarks.md, "Spec-Bench". Run on a quiet machine (nothing else on the cores): about
-# 75 minutes on a 2-core AMD EPYC Zen 4.
+# docs/benchmarks.md, "Spec-Bench". Run on a quiet machine (nothing else on the cores): 43-50
+# minutes on a 2-core AMD EPYC Zen 4.
 #
 #   bash benchmarks/figures/specbench_figures.sh        # STEPS="spec10" (the default)
 #

@@ -23,7 +23,7 @@ Modules, each importing only those above it:
 - ``truncated``: :func:`truncated_draft`, a draft made of the target's first layers.
 """
 
-from .common import LoadProgress, ModelUnavailableError, cache_dir, converted_dir, shared_dir
+from .common import LoadProgress, ModelFetchError, ModelUnavailableError, cache_dir, converted_dir, shared_dir
 from .gguf_reader import gguf_tokenizer, load_gguf_llama, permute_qk, unpermute_qk
 from .loading import load
 from .registry import MODELS, ModelSpec
@@ -32,6 +32,7 @@ from .truncated import truncated_draft
 __all__ = [
     "MODELS",
     "ModelSpec",
+    "ModelFetchError",
     "ModelUnavailableError",
     "LoadProgress",
     "cache_dir",

