@@ -179,6 +179,26 @@ def test_pinned_cases_exercise_the_loop():
     assert sorted(r["num_generated"] for r in eos) == [5, 6, 10]  # two ended at EOS, apart
 
 
+def test_pinned_greedy_cases_are_hf_generate():
+    """The pinned values are the loop's own record, so they are checked against the target's
+    own ``generate`` where they can be: every greedy case's tokens, request by request (each
+    prompt alone), EOS included where the request ended at one."""
+    pinned = json.loads(PINNED.read_text())
+    for name in ("greedy-weak-cpu", "greedy-twin-chain3-eos", "eagle-features-cpu", "auto-twin"):
+        _, _, kw, family, seed = _cases()[name]
+        model = tiny_model(family, seed)
+        got = [[] for _ in PROMPTS]
+        for step in pinned[name]["steps"]:
+            for r, tokens in enumerate(step["tokens"]):
+                got[r].extend(tokens)
+        eos = kw.get("eos_token_id")
+        for prompt, tokens in zip(PROMPTS, got):
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=kw["max_new_tokens"], eos_token_id=eos, pad_token_id=0)
+            assert tokens == out[0, len(prompt):].tolist(), (name, prompt)
+
+
 def test_the_fixed_tree_controller_answers_as_auto_does():
     """The loop calls a fixed tree's no-op controller as it calls an AutoController."""
     from treespec.auto import AutoController
