@@ -780,3 +780,28 @@ def test_step_cost_slope_is_learned_once_sizes_vary():
     for q in rng.integers(1, 17, size=400):
         ctl.end_step(int(q), float(curve(q)) + 0.010 - 0.0005 * (q - 1))
     assert profile.step_slope == 0.0
+
+
+@pytest.mark.filterwarnings("ignore:the model accepted none")  # the stranger's drafts: meant to fail
+def test_auto_drafts_again_after_text_it_could_not_draft():
+    """A profile that has just learned the draft is useless (a stretch of text it cannot
+    predict: here a draft model unrelated to the target) stops drafting, as it should; but
+    it must not stop for good. Steps that verify no drafted node learn nothing, so without
+    fresh evidence the calibration would stay at "useless" for the rest of the process (a
+    bench's prompts, a chat's turns): the Spec-Bench 480 run drafted nothing on 46
+    conversation questions in a row after one such question. Idle steps let the
+    calibration fade back towards the draft's own scores until the draft is tried again."""
+    model, twin, stranger = tiny_model("llama", 0), tiny_model("llama", 0), tiny_model("llama", 7)
+    profile = AutoProfile(costs=MID)
+    for _ in range(3):  # long enough to learn that the stranger's drafts fail
+        bad = treespec.generate(model, ModelDrafter(stranger), TreeConfig.auto(3, 2, 6), PROMPTS[:1],
+                                max_new_tokens=100, auto_profile=profile).metrics
+    assert bad.mean_accepted_length < 1.2 and bad.tree_sizes[-1] == 0  # it stopped drafting
+    prompt = [5, 9, 13]
+    good = treespec.generate(model, ModelDrafter(twin), TreeConfig.auto(3, 2, 6), prompt, max_new_tokens=200,
+                             auto_profile=profile)
+    assert good.sequences[0] == hf_greedy(model, prompt, 200)
+    sizes = good.metrics.tree_sizes
+    assert sizes[0] == 0  # it starts where the stranger left it ...
+    assert sum(s > 0 for s in sizes[-20:]) >= 15  # ... and is drafting again by the end
+    assert good.metrics.mean_accepted_length > 1.5

@@ -70,6 +70,10 @@ RATE_EMA = 0.05  # least weight of the newest step in the achieved rate ("rate" 
 # A step holds its verify forward, so steps that take less than half of what the curve says
 # that forward costs (the median of the first JUDGE_STEPS) contradict the curve: it was measured
 # while other work slowed the machine (2.28 s a forward that takes 40 ms, issue 31).
+# A step that verifies no drafted node keeps this share of every calibration count: idle
+# evidence fades (half-life about 35 idle steps), so trees come back after text the draft could
+# not predict (from "useless" to trying again in about a hundred idle steps).
+IDLE_KEEP = 0.98
 JUDGE_STEPS = 5
 CONTRADICTED = 0.5
 #: A head directory's ``auto`` profile (written by ``treespec tune --out``): its calibrations
@@ -263,6 +267,11 @@ class AutoProfile:
         pair = self.sources.setdefault(int(source), {"greedy": Calibration(), "sampling": Calibration()})
         return pair["greedy" if greedy else "sampling"]
 
+    def relax(self, greedy: bool, keep: float) -> None:
+        """:meth:`Calibration.relax` on every source's calibration of one mode."""
+        for source in self.calibrations(greedy):
+            self.calibration(greedy, source).relax(keep)
+
     def calibrations(self, greedy: bool) -> "_BySource":
         """Every source's calibration for one mode, indexed by ``Tree.source`` code."""
         return _BySource(self, greedy)
@@ -422,6 +431,7 @@ class AutoController:
         if objective not in ("step", "rate"):
             raise ValueError(f"objective must be 'step' or 'rate', got {objective!r}")
         self.profile, self.max_nodes, self.top_k, self.objective = profile, max_nodes, top_k, objective
+        self.greedy = greedy
         self.calibration = profile.calibration(greedy)  # the draft's own: the builder's early stop
         self.by_source = profile.calibrations(greedy)
         self._t0 = time.perf_counter()
@@ -560,7 +570,8 @@ class AutoController:
             scores.append(t.scores[1:].numpy())
             accepted.append(hit[1:])
             sources.append(np.zeros(t.num_drafted, dtype=np.int8) if t.source is None else t.source[1:].numpy())
-        if not scores:
+        if not scores:  # an idle step: nothing learned, so old evidence fades (IDLE_KEEP)
+            self.profile.relax(self.greedy, IDLE_KEEP)
             return
         scores, accepted, sources = np.concatenate(scores), np.concatenate(accepted), np.concatenate(sources)
         for s in np.unique(sources):

@@ -134,6 +134,17 @@ class Calibration:
         self.seen, self.accepted = seen.tolist(), acc.tolist()
         self._fit = None
 
+    def relax(self, keep: float) -> None:
+        """Scale every bin's counts by ``keep`` (0 < keep <= 1): evidence no step renews fades,
+        and the fit moves back towards the prior, the draft's own scores. Called for steps that
+        verify no drafted node, which teach nothing: a calibration that learned "useless" would
+        otherwise keep every later tree empty, and so never see the draft succeed again."""
+        if not 0 < keep <= 1:
+            raise ValueError(f"keep must be in (0, 1], got {keep}")
+        self.seen = [x * keep for x in self.seen]
+        self.accepted = [x * keep for x in self.accepted]
+        self._fit = None
+
     @property
     def num_observed(self) -> int:
         return int(sum(self.seen))

@@ -1,0 +1,90 @@
+"""What a Spec-Bench bench journal holds so far, per category: a run of hours (the 480
+questions, issue 26) spans sessions, and its figures are worth reading before it ends.
+
+    python benchmarks/figures/journal_summary.py benchmarks/results/specbench480-256-bf16.jsonl \\
+        --num-prompts 80 --out benchmarks/results/specbench480-256-bf16-partial.json
+
+Per category: the questions journaled (of ``--num-prompts``), each configuration's tokens/s and
+speedup over plain HF generate and over the same-path baseline (total tokens over total
+seconds, as ``treespec bench`` computes them), mean accepted tokens, and for every pair of
+treespec configurations their ratio pooled and the per-question median and range. Reads the
+journal only (no model): timings are the run's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from treespec.prompts import spec_bench_questions  # noqa: E402
+
+BASE, SAME_PATH = "hf-generate", "hf-generate+fast"
+
+
+def rate(runs: list[dict]) -> float:
+    """Tokens over seconds (a run journals its tokens themselves)."""
+    return sum(len(r["tokens"]) for r in runs) / sum(r["seconds"] for r in runs)
+
+
+def summarise(path: Path, num_prompts: int) -> dict:
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    head, rows = lines[0]["key"], lines[1:]
+    names = [c["name"] for c in head["configs"]]
+    categories = [q["category"] for q in spec_bench_questions("spec-bench", num_prompts)]
+    if f"{len(categories)} prompts" not in head["prompts"]:
+        raise SystemExit(f"{path} journals {head['prompts']}, not {len(categories)}: give its --num-prompts")
+    treespec = [n for n in names if head["configs"][names.index(n)]["kind"] == "treespec"]
+    out = {"journal": str(path), "machine": head["machine"], "configs": names, "categories": {}}
+    for cat in dict.fromkeys(categories):
+        done = [r for r in rows if categories[r["prompt"]] == cat]
+        if not done:
+            continue
+        per = {n: [r["runs"][n] for r in done] for n in names}
+        base, same = rate(per[BASE]), rate(per[SAME_PATH])
+        c = {"num_prompts": len(done), "of": categories.count(cat), "configs": {}}
+        for n in names:
+            acc = [a for run in per[n] if run["metrics"] for a in run["metrics"]["accepted"]]
+            c["configs"][n] = {"tokens_per_second": round(rate(per[n]), 2),
+                               "speedup": round(rate(per[n]) / base, 3),
+                               "over_same_path": round(rate(per[n]) / same, 3),
+                               "tau": round((sum(acc) + len(acc)) / len(acc), 3) if acc else None}
+        pairs = {}
+        for i, a in enumerate(treespec):
+            for b in treespec[i + 1:]:
+                q = [rate([ra]) / rate([rb]) for ra, rb in zip(per[a], per[b])]
+                pairs[f"{a} / {b}"] = {"pooled": round(rate(per[a]) / rate(per[b]), 3),
+                                       "median": round(statistics.median(q), 3),
+                                       "range": [round(min(q), 2), round(max(q), 2)]}
+        c["ratios"] = pairs
+        out["categories"][cat] = c
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("journal")
+    ap.add_argument("--num-prompts", type=int, default=80, help="the run's --num-prompts (per category)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    res = summarise(Path(args.journal), args.num_prompts)
+    for cat, c in res["categories"].items():
+        print(f"{cat}: {c['num_prompts']} of {c['of']} questions")
+        for n, f in c["configs"].items():
+            tau = f" tau {f['tau']:.2f}" if f["tau"] is not None else ""
+            print(f"  {n:45} {f['tokens_per_second']:6.1f} tok/s {f['speedup']:5.2f}x "
+                  f"({f['over_same_path']:.2f}x same path){tau}")
+        for pair, r in c["ratios"].items():
+            print(f"  {pair}: pooled {r['pooled']:.3f}, per question median {r['median']:.3f} "
+                  f"({r['range'][0]}-{r['range'][1]})")
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
