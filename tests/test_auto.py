@@ -805,3 +805,22 @@ def test_auto_drafts_again_after_text_it_could_not_draft():
     assert sizes[0] == 0  # it starts where the stranger left it ...
     assert sum(s > 0 for s in sizes[-20:]) >= 15  # ... and is drafting again by the end
     assert good.metrics.mean_accepted_length > 1.5
+
+
+def test_auto_drafts_again_after_a_step_cost_it_could_not_renew():
+    """The other evidence a step can stop renewing: the learned cost of each verified token
+    (``step_slope``: identified only while tree sizes vary) and of one draft level
+    (``level_seconds``: measured only between two levels). A slope learned while something
+    else slowed the machine makes every node look dear; with the root alone every step the
+    sizes never vary again, so unrenewed, the slope would keep trees empty for good. Both
+    fade while unrenewed, as the calibration does on idle steps."""
+    model, twin = tiny_model("llama", 0), tiny_model("llama", 0)
+    profile = AutoProfile(costs=MID, step_slope=1.0, level_seconds=5.0)  # a token 4x, a level 5x a step
+    prompt = [5, 9, 13]
+    out = treespec.generate(model, ModelDrafter(twin), TreeConfig.auto(3, 2, 6), prompt, max_new_tokens=200,
+                            auto_profile=profile)
+    assert out.sequences[0] == hf_greedy(model, prompt, 200)
+    sizes = out.metrics.tree_sizes
+    assert sizes[0] == 0  # it starts as dear as it was told ...
+    assert sum(s > 0 for s in sizes[-20:]) >= 15  # ... and is drafting again by the end
+    assert profile.step_slope < 0.25 and profile.level_seconds < 1.0  # neither stayed where it was

@@ -72,7 +72,8 @@ RATE_EMA = 0.05  # least weight of the newest step in the achieved rate ("rate" 
 # while other work slowed the machine (2.28 s a forward that takes 40 ms, issue 31).
 # A step that verifies no drafted node keeps this share of every calibration count: idle
 # evidence fades (half-life about 35 idle steps), so trees come back after text the draft could
-# not predict (from "useless" to trying again in about a hundred idle steps).
+# not predict (from "useless" to trying again in about a hundred idle steps). The learned step
+# slope and level time fade likewise on the steps that cannot renew them.
 IDLE_KEEP = 0.98
 JUDGE_STEPS = 5
 CONTRADICTED = 0.5
@@ -436,6 +437,7 @@ class AutoController:
         self.by_source = profile.calibrations(greedy)
         self._t0 = time.perf_counter()
         self._last_stop: float | None = None  # when this step's last "keep drafting" was said
+        self._level_measured = False  # whether this step measured a level's time
         self._extra: np.ndarray | None = None  # [B, E] probabilities of this step's other nodes
         self._modelled: float | None = None  # this step's t_draft + t_step, once chosen
         self._steps, self._tokens, self._seconds = 0, 0.0, 0.0
@@ -455,6 +457,7 @@ class AutoController:
     def begin_step(self) -> None:
         self._t0 = time.perf_counter()
         self._last_stop = None
+        self._level_measured = False
         self._extra = None
         self._modelled = None
         self._committed = 0
@@ -477,6 +480,7 @@ class AutoController:
         """
         now = time.perf_counter()
         if self._last_stop is not None:
+            self._level_measured = True
             gap, old = now - self._last_stop, self.profile.level_seconds
             self.profile.level_seconds = gap if old is None else (1 - LEVEL_EMA) * old + LEVEL_EMA * gap
         pool = pool_scores.detach().float().cpu().numpy().astype(np.float64)
@@ -529,6 +533,10 @@ class AutoController:
         var = m[1] - m[0] ** 2
         if var > 1.0:  # tree sizes varied by more than a token: the slope is identified
             p.step_slope = max((m[3] - m[0] * m[2]) / var, 0.0)
+        else:  # unrenewed, it fades (IDLE_KEEP): a slope learned while the machine was slowed
+            p.step_slope *= IDLE_KEEP  # must not keep every tree at the root alone for good
+        if not self._level_measured and p.level_seconds is not None:
+            p.level_seconds *= IDLE_KEEP  # likewise a level's time, measured only between two levels
         p.step_overhead = m[2] - p.step_slope * m[0]
         self._judge(seconds / float(p.costs(tokens)))
         if self._modelled is not None and self._committed:
