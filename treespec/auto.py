@@ -67,14 +67,14 @@ log = logging.getLogger(__name__)
 LEVEL_EMA = 0.2  # weight of the newest measurement of one level's draft time
 OVERHEAD_EMA = 0.1  # weight of the newest step's measured overhead
 RATE_EMA = 0.05  # least weight of the newest step in the achieved rate ("rate" objective)
-# A step holds its verify forward, so steps that take less than half of what the curve says
-# that forward costs (the median of the first JUDGE_STEPS) contradict the curve: it was measured
-# while other work slowed the machine (2.28 s a forward that takes 40 ms, issue 31).
 # A step that verifies no drafted node keeps this share of every calibration count: idle
 # evidence fades (half-life about 35 idle steps), so trees come back after text the draft could
 # not predict (from "useless" to trying again in about a hundred idle steps). The learned step
 # slope and level time fade likewise on the steps that cannot renew them.
 IDLE_KEEP = 0.98
+# A step holds its verify forward, so steps that take less than half of what the curve says
+# that forward costs (the median of the first JUDGE_STEPS) contradict the curve: it was measured
+# while other work slowed the machine (2.28 s a forward that takes 40 ms, issue 31).
 JUDGE_STEPS = 5
 CONTRADICTED = 0.5
 #: A head directory's ``auto`` profile (written by ``treespec tune --out``): its calibrations

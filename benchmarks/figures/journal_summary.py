@@ -6,7 +6,8 @@ questions, issue 26) spans sessions, and its figures are worth reading before it
 
 Per category: the questions journaled (of ``--num-prompts``), each configuration's tokens/s and
 speedup over plain HF generate and over the same-path baseline (total tokens over total
-seconds, as ``treespec bench`` computes them), mean accepted tokens, and for every pair of
+seconds, as ``treespec bench`` computes them), mean accepted tokens, how many outputs left HF
+generate's and how many of those were not bf16 near-ties (``unexplained``), and for every pair of
 treespec configurations their ratio pooled and the per-question median and range. Reads the
 journal only (no model): timings are the run's own.
 """
@@ -37,9 +38,9 @@ def summarise(path: Path, num_prompts: int) -> dict:
     head, rows = lines[0]["key"], lines[1:]
     names = [c["name"] for c in head["configs"]]
     categories = [q["category"] for q in spec_bench_questions("spec-bench", num_prompts)]
-    if f"{len(categories)} prompts" not in head["prompts"]:
+    if not head["prompts"].startswith(f"{len(categories)} prompts,"):
         raise SystemExit(f"{path} journals {head['prompts']}, not {len(categories)}: give its --num-prompts")
-    treespec = [n for n in names if head["configs"][names.index(n)]["kind"] == "treespec"]
+    treespec = [c["name"] for c in head["configs"] if c["kind"] == "treespec"]
     out = {"journal": str(path), "machine": head["machine"], "configs": names, "categories": {}}
     for cat in dict.fromkeys(categories):
         done = [r for r in rows if categories[r["prompt"]] == cat]
@@ -50,10 +51,14 @@ def summarise(path: Path, num_prompts: int) -> dict:
         c = {"num_prompts": len(done), "of": categories.count(cat), "configs": {}}
         for n in names:
             acc = [a for run in per[n] if run["metrics"] for a in run["metrics"]["accepted"]]
+            diffs = [r["divergences"][n] for r in done if n in r["divergences"]]
             c["configs"][n] = {"tokens_per_second": round(rate(per[n]), 2),
                                "speedup": round(rate(per[n]) / base, 3),
                                "over_same_path": round(rate(per[n]) / same, 3),
-                               "tau": round((sum(acc) + len(acc)) / len(acc), 3) if acc else None}
+                               "tau": round((sum(acc) + len(acc)) / len(acc), 3) if acc else None,
+                               # outputs leaving HF generate's, and those past the near-tie tolerance
+                               "differences": len(diffs),
+                               "unexplained": sum(d["fp32_shortfall"] > d["tolerance"] for d in diffs)}
         pairs = {}
         for i, a in enumerate(treespec):
             for b in treespec[i + 1:]:
@@ -78,7 +83,8 @@ def main() -> None:
         for n, f in c["configs"].items():
             tau = f" tau {f['tau']:.2f}" if f["tau"] is not None else ""
             print(f"  {n:45} {f['tokens_per_second']:6.1f} tok/s {f['speedup']:5.2f}x "
-                  f"({f['over_same_path']:.2f}x same path){tau}")
+                  f"({f['over_same_path']:.2f}x same path){tau}; {f['differences']} differ from HF generate, "
+                  f"{f['unexplained']} unexplained")
         for pair, r in c["ratios"].items():
             print(f"  {pair}: pooled {r['pooled']:.3f}, per question median {r['median']:.3f} "
                   f"({r['range'][0]}-{r['range'][1]})")
