@@ -254,6 +254,49 @@ def test_lost_shards_are_rebuilt_from_their_answers_files(tiny_lm, tmp_path):
     assert shard_files(ref) and not list(ref.glob("answers-*"))
 
 
+def test_a_capture_of_other_data_reuses_the_answers_a_folder_holds(tiny_lm, tmp_path):
+    """``answers_from``: a capture of a subset of data captured before takes the target's
+    answers from that folder (matched by source key, whatever their place in its plan) and
+    decodes only what it lacks; its records equal a capture decoded from scratch. A folder
+    written with other answer settings is refused before any work."""
+    model, tok = tiny_lm
+    data = _data(tmp_path)
+    capture_shards(model, tok, _cfg(data, tmp_path / "all"))
+    reference = {r["source"]: r for r in load_shards(tmp_path / "all", mmap=False)}
+
+    # data[4:8] ("shard_size" 3: [0, 3) and [3, 4)) lies within the first capture: nothing decoded
+    sub = capture_shards(model, tok, _cfg(f"{data}[4:8]", tmp_path / "sub"), answers_from=[tmp_path / "all"])
+    assert (sub["written"], sub["rebuilt"], sub["generated_tokens"]) == (2, 2, 0)
+    records = load_shards(tmp_path / "sub", mmap=False)
+    assert [r["source"] for r in records] == [f"{data}:{i}" for i in range(4, 8)]
+    assert [r["index"] for r in records] == [0, 1, 2, 3]
+    for r in records:
+        x = reference[r["source"]]
+        assert r["sampled"] == x["sampled"] and torch.equal(r["tokens"], x["tokens"])
+        assert torch.equal(r["labels"], x["labels"])
+        torch.testing.assert_close(r["features"].float(), x["features"].float(), atol=2e-2, rtol=1e-2)
+
+    # A range with a conversation no folder answered is decoded whole; the others are rebuilt.
+    capture_shards(model, tok, _cfg(f"{data}[:5]", tmp_path / "first5"))
+    mixed = capture_shards(model, tok, _cfg(f"{data}[3:9]", tmp_path / "mixed"), answers_from=[tmp_path / "first5"])
+    assert (mixed["written"], mixed["rebuilt"]) == (2, 0) and mixed["generated_tokens"] > 0  # 5..8 unanswered
+    mixed2 = capture_shards(model, tok, _cfg(f"{data}[2:8]", tmp_path / "mixed2"), answers_from=[tmp_path / "first5"])
+    assert (mixed2["written"], mixed2["rebuilt"]) == (2, 1) and mixed2["generated_tokens"] > 0  # [2, 5) reused
+    scratch = capture_shards(model, tok, _cfg(f"{data}[2:8]", tmp_path / "scratch"))
+    for x, y in zip(load_shards(tmp_path / "mixed2", mmap=False), load_shards(tmp_path / "scratch", mmap=False)):
+        assert x["source"] == y["source"] and torch.equal(x["tokens"], y["tokens"])
+    assert scratch["generated_tokens"] > mixed2["generated_tokens"]
+
+    # Answers written with other settings are not what this capture would write: refused.
+    other = CaptureConfig(data=f"{data}[4:8]", out_dir=str(tmp_path / "other"), max_new_tokens=12, max_length=80,
+                          shard_size=3, batch_size=2, sample_share=0.5, sample_temperature=0.9, seed=1)
+    with pytest.raises(ValueError, match="other settings.*max_new_tokens 10 there, 12 here"):
+        capture_shards(model, tok, other, answers_from=[tmp_path / "all"])
+    assert not (tmp_path / "other").exists()
+    with pytest.raises(ValueError, match="no capture.json there"):
+        capture_shards(model, tok, _cfg(data, tmp_path / "x"), answers_from=[tmp_path])
+
+
 def test_capture_with_generation_options_answers_as_generate_with_them(tiny_lm, tmp_path):
     """A capture decoded with generation options holds what HF ``generate`` writes with the
     same options, prompt by prompt; the options are part of the folder's identity; soft

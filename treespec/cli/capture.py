@@ -30,6 +30,10 @@ def add_arguments(p):
     p.add_argument("--features", choices=["both", "eagle3", "eagle1"], default="both",
                    help="features kept: both layouts (default, trains either) or one")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampled share and of the sampled answers")
+    p.add_argument("--answers-from", default=None, metavar="DIR[,DIR...]",
+                   help="capture folders (same model and answer settings) whose answers to the same prompts are "
+                        "reused: a shard they answer whole is rebuilt from them, not decoded (a capture of a subset "
+                        "or another mix of data captured before)")
     add_generation_options(p)
     add_runtime(p)
 
@@ -53,7 +57,8 @@ def run(args):
     loaded = load(args)
     bars = Bars("conv", postfix=lambda p: f"gen_tok_s={p.info['tok/s']:.1f}")
     with loaded.packed():
-        s = capture_shards(loaded.model, loaded.tokenizer, cfg, callback=bars)
+        s = capture_shards(loaded.model, loaded.tokenizer, cfg, callback=bars,
+                           answers_from=args.answers_from.split(",") if args.answers_from else ())
     bars.close()
     rebuilt = f" ({s['rebuilt']} rebuilt from answers files)" if s["rebuilt"] else ""
     print(f"{args.out}: {s['written']} shard(s) written{rebuilt}, {s['skipped']} already there, of {s['shards']}; "

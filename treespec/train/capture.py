@@ -209,14 +209,21 @@ def _answered(cfg: CaptureConfig, ex: Example) -> bool:
 def _save_answers(path: Path, cfg: CaptureConfig, plan, records) -> None:
     """The target's answers among ``records``, one JSON line each, gzip without a timestamp
     (the same answers give the same bytes, so a folder of them sits well in git)."""
+    rows = []
+    for r in records:
+        if _answered(cfg, plan[r["index"]][1]):
+            plen = int(r["prompt_len"])
+            rows.append({"index": int(r["index"]), "source": r["source"], "sampled": bool(r["sampled"]),
+                         "prompt_len": plen, "answer": r["tokens"][plen:].tolist()})
+    _write_answers(path, rows)
+
+
+def _write_answers(path: Path, rows: list[dict]) -> None:
     buf = io.BytesIO()
     with gzip.GzipFile(fileobj=buf, mode="wb", mtime=0) as f:
-        for r in records:
-            if _answered(cfg, plan[r["index"]][1]):
-                plen = int(r["prompt_len"])
-                row = {"index": int(r["index"]), "source": r["source"], "sampled": bool(r["sampled"]),
-                       "prompt_len": plen, "answer": r["tokens"][plen:].tolist()}
-                f.write((json.dumps(row, separators=(",", ":")) + "\n").encode())
+        for row in rows:
+            row = {k: row[k] for k in ("index", "source", "sampled", "prompt_len", "answer")}
+            f.write((json.dumps(row, separators=(",", ":")) + "\n").encode())
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(buf.getvalue())
     os.replace(tmp, path)
@@ -230,6 +237,69 @@ def _load_answers(path: Path) -> dict[int, dict]:
     except (OSError, EOFError, ValueError, KeyError, TypeError) as e:  # gzip's and json's errors
         raise ValueError(f"{path} is not a readable answers file ({type(e).__name__}: {e}): "
                          f"delete it to decode its shard again") from None
+
+
+# Settings that shape what the target writes for a prompt: another folder's answers stand for
+# this capture's only where they agree (data, mix, shard and batch sizes, features do not).
+_ANSWER_SHAPING = ("model", "dtype", "max_length", "max_new_tokens", "sample_share", "sample_temperature", "seed",
+                   "options")
+
+
+def _answers_of(cfg: CaptureConfig, sources) -> dict[str, dict]:
+    """The answers the capture folders ``sources`` hold, by source key (``dataset:index``; the
+    first folder's where several answer one), refused unless they were written with ``cfg``'s
+    answer-shaping settings."""
+    if cfg.answers != "target":
+        raise ValueError("answers from other captures need answers='target' (a reference capture decodes nothing)")
+    mine = {k: getattr(cfg, k) for k in _ANSWER_SHAPING}
+    by_key: dict[str, dict] = {}
+    for src in sources:
+        src = Path(src)
+        mpath = src / MANIFEST
+        if not mpath.exists():
+            raise ValueError(f"answers from {src}: no {MANIFEST} there (not a treespec capture folder?)")
+        theirs = json.loads(mpath.read_text())
+        if theirs.get("answers", "target") != "target":
+            raise ValueError(f"answers from {src}: a reference capture holds no answers of the target's")
+        diff = [k for k in _ANSWER_SHAPING if theirs.get(k) != mine[k]]
+        if diff:
+            raise ValueError(f"answers from {src}: it was captured with other settings ("
+                             + ", ".join(f"{k} {theirs.get(k)!r} there, {mine[k]!r} here" for k in diff)
+                             + "): its answers are not what this capture would write; capture with its settings")
+        for f in sorted(src.glob("answers-*.jsonl.gz")):
+            for row in _load_answers(f).values():
+                by_key.setdefault(row["source"], row)
+    return by_key
+
+
+def _borrow_answers(cfg: CaptureConfig, tokenizer, plan, ranges, by_key: dict[str, dict]) -> int:
+    """Write the answers file of every range of ``cfg``'s plan (neither shard nor answers file
+    yet) whose every conversation to answer ``by_key`` holds (:func:`_answers_of`), so that the
+    range is rebuilt, not decoded. Returns how many ranges got one; a range with a conversation
+    none of them answered is left to decode."""
+    out = Path(cfg.out_dir)
+    borrowed = 0
+    for a, b in ranges:
+        apath = out / _answers_name(a, b)
+        if apath.exists() or (out / _shard_name(a, b)).exists():
+            continue
+        rows = []
+        for i in range(a, b):
+            key, ex = plan[i]
+            if not _answered(cfg, ex):
+                continue
+            row = by_key.get(key)
+            if row is None:
+                _, plen = tokenize_example(tokenizer, ex, answer="")
+                if plen + 2 > cfg.max_length:
+                    continue  # too long to answer: skipped here as there
+                break
+            rows.append(dict(row, index=i))
+        else:
+            _write_answers(apath, rows)
+            borrowed += 1
+    log.info("capture %s: %d of %d shards' answers taken from other captures", out, borrowed, len(ranges))
+    return borrowed
 
 
 def shard_files(out_dir) -> list[Path]:
@@ -281,13 +351,18 @@ def _sampled(cfg: CaptureConfig, key: str) -> tuple[bool, int]:
 
 @torch.inference_mode()
 def capture_shards(model, tokenizer, cfg: CaptureConfig,
-                   callback: Callable[[Progress], None] | None = None) -> dict:
+                   callback: Callable[[Progress], None] | None = None, answers_from=()) -> dict:
     """Capture the plan into ``cfg.out_dir`` shard by shard, skipping shards already there.
+
+    ``answers_from``: capture folders (same model and answer settings) whose answers to the
+    same prompts are taken instead of decoding them again: a range they answer whole is
+    rebuilt from them (a capture of a subset, or of another mix, of data captured before).
 
     Returns a summary: ``{"shards", "written", "skipped", "rebuilt", "conversations",
     "generated_tokens", "seconds", "tokens_per_second", "too_long"}`` (tokens and seconds of
     this run only; ``rebuilt``: shards written from their answers files, none decoded).
     """
+    borrowed = _answers_of(cfg, answers_from) if answers_from else None  # refused before any work
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     fids = feature_ids(model, cfg.features)
@@ -306,6 +381,8 @@ def capture_shards(model, tokenizer, cfg: CaptureConfig,
         if keep and _shard_name(a, b) in done and not (out / _answers_name(a, b)).exists():
             _save_answers(out / _answers_name(a, b), cfg, plan,
                           torch.load(out / _shard_name(a, b), mmap=True, weights_only=True))
+    if borrowed:
+        _borrow_answers(cfg, tokenizer, plan, ranges, borrowed)
     todo = [r for r in ranges if _shard_name(*r) not in done]
     # Decoding first: it is the costly part that only this run can do, while a rebuild from an
     # answers file can wait (a run stopped early has then lost nothing it cannot replay).
