@@ -22,8 +22,8 @@
 #   rebuild  every training and held-out folder's shards from those answers (no decoding: the
 #            templated chat comes out of the mixed capture runs/cap-all with --answers-from)
 #   train    one head per row in runs/ablate-prompts/ROW (resumes)
-#   eval     benchmarks/results/ablate-prompts-validate.txt and ablate-prompts-spec-tau-ROW.json
-#            (a row whose JSON is there is skipped)
+#   eval     benchmarks/results/ablate-prompts-validate-ROW.txt and ablate-prompts-spec-tau-ROW.json
+#            (a file already there is not made again)
 #
 # Every step resumes, so the run can span sessions. Feeds docs/training.md, "Which prompts
 # (issue 26)".
@@ -82,15 +82,15 @@ if has train; then
   done
 fi
 if has eval; then
-  say "eval: held-out top-1"
-  heads=()
-  for row in $ROWS; do heads+=(--head "$A/$row/head"); done
-  {
-    for v in runs/cap-magpie-val runs/cap-magpie2-val runs/cap-val; do
-      python benchmarks/training/validate_head.py "${heads[@]}" --val-capture "$v" --val-examples 64
-    done
-  } | tee "$R/ablate-prompts-validate.txt"
   for row in $ROWS; do
+    out="$R/ablate-prompts-validate-$row.txt"
+    if [ ! -e "$out" ]; then
+      say "eval: held-out top-1, $row"
+      for v in runs/cap-magpie-val runs/cap-magpie2-val runs/cap-val; do
+        python benchmarks/training/validate_head.py --head "$A/$row/head" --val-capture "$v" --val-examples 64
+      done > "$out.tmp" && mv "$out.tmp" "$out"
+      cat "$out"
+    fi
     out="$R/ablate-prompts-spec-tau-$row.json"
     [ -e "$out" ] && { echo "$out: there"; continue; }
     say "eval: Spec-Bench tau, $row"
