@@ -15,9 +15,11 @@ import torch
 from treespec import data, models
 from treespec.train import TrainConfig, train_eagle
 from treespec.train.capture import (
-    CaptureConfig, _by_tokens, _interleave, _sampled, capture_plan, capture_shards, load_shards, parse_data_spec,
-    shard_files,
+    CaptureConfig, _by_tokens, _interleave, _sampled, _write_answers, answers_of, capture_plan, capture_shards,
+    load_shards, parse_data_spec, shard_files,
 )
+from treespec.train.data import read_jsonl as read_examples
+from treespec.train.data import tokenize_example
 from treespec.train.prompts import EVAL_TEMPLATES, EVAL_TOPICS, chat_prompts, stdlib_code_prompts
 
 from tiny import save_tiny_lm
@@ -257,44 +259,117 @@ def test_lost_shards_are_rebuilt_from_their_answers_files(tiny_lm, tmp_path):
 def test_a_capture_of_other_data_reuses_the_answers_a_folder_holds(tiny_lm, tmp_path):
     """``answers_from``: a capture of a subset of data captured before takes the target's
     answers from that folder (matched by source key, whatever their place in its plan) and
-    decodes only what it lacks; its records equal a capture decoded from scratch. A folder
-    written with other answer settings is refused before any work."""
+    decodes only what it lacks; its records equal a capture decoded from scratch."""
     model, tok = tiny_lm
     data = _data(tmp_path)
-    capture_shards(model, tok, _cfg(data, tmp_path / "all"))
+    capture_shards(model, tok, _cfg(data, tmp_path / "all", model="tiny"))
     reference = {r["source"]: r for r in load_shards(tmp_path / "all", mmap=False)}
 
-    # data[4:8] ("shard_size" 3: [0, 3) and [3, 4)) lies within the first capture: nothing decoded
-    sub = capture_shards(model, tok, _cfg(f"{data}[4:8]", tmp_path / "sub"), answers_from=[tmp_path / "all"])
-    assert (sub["written"], sub["rebuilt"], sub["generated_tokens"]) == (2, 2, 0)
+    # data[4:] (shard_size 3: [4, 7) and [7, 10), the latter with a text record to teacher-force
+    # and a prompt too long to answer) lies within the first capture: nothing decoded.
+    sub = capture_shards(model, tok, _cfg(f"{data}[4:]", tmp_path / "sub", model="tiny"),
+                         answers_from=str(tmp_path / "all"))
+    assert (sub["written"], sub["rebuilt"], sub["generated_tokens"], sub["too_long"]) == (2, 2, 0, 1)
     records = load_shards(tmp_path / "sub", mmap=False)
-    assert [r["source"] for r in records] == [f"{data}:{i}" for i in range(4, 8)]
-    assert [r["index"] for r in records] == [0, 1, 2, 3]
+    assert [r["source"] for r in records] == [f"{data}:{i}" for i in range(4, 9)]
+    assert [r["index"] for r in records] == [0, 1, 2, 3, 4]
     for r in records:
         x = reference[r["source"]]
-        assert r["sampled"] == x["sampled"] and torch.equal(r["tokens"], x["tokens"])
-        assert torch.equal(r["labels"], x["labels"])
+        assert (r["sampled"], r["prompt_len"]) == (x["sampled"], x["prompt_len"])
+        assert torch.equal(r["tokens"], x["tokens"]) and torch.equal(r["labels"], x["labels"])
         torch.testing.assert_close(r["features"].float(), x["features"].float(), atol=2e-2, rtol=1e-2)
 
     # A range with a conversation no folder answered is decoded whole; the others are rebuilt.
-    capture_shards(model, tok, _cfg(f"{data}[:5]", tmp_path / "first5"))
-    mixed = capture_shards(model, tok, _cfg(f"{data}[3:9]", tmp_path / "mixed"), answers_from=[tmp_path / "first5"])
+    capture_shards(model, tok, _cfg(f"{data}[:5]", tmp_path / "first5", model="tiny"))
+    mixed = capture_shards(model, tok, _cfg(f"{data}[3:9]", tmp_path / "mixed", model="tiny"),
+                           answers_from=[tmp_path / "first5"])
     assert (mixed["written"], mixed["rebuilt"]) == (2, 0) and mixed["generated_tokens"] > 0  # 5..8 unanswered
-    mixed2 = capture_shards(model, tok, _cfg(f"{data}[2:8]", tmp_path / "mixed2"), answers_from=[tmp_path / "first5"])
+    mixed2 = capture_shards(model, tok, _cfg(f"{data}[2:8]", tmp_path / "mixed2", model="tiny"),
+                            answers_from=[tmp_path / "first5"])
     assert (mixed2["written"], mixed2["rebuilt"]) == (2, 1) and mixed2["generated_tokens"] > 0  # [2, 5) reused
-    scratch = capture_shards(model, tok, _cfg(f"{data}[2:8]", tmp_path / "scratch"))
-    for x, y in zip(load_shards(tmp_path / "mixed2", mmap=False), load_shards(tmp_path / "scratch", mmap=False)):
-        assert x["source"] == y["source"] and torch.equal(x["tokens"], y["tokens"])
+    scratch = capture_shards(model, tok, _cfg(f"{data}[2:8]", tmp_path / "scratch", model="tiny"))
     assert scratch["generated_tokens"] > mixed2["generated_tokens"]
+    for x, y in zip(load_shards(tmp_path / "mixed2", mmap=False), load_shards(tmp_path / "scratch", mmap=False),
+                    strict=True):
+        assert (x["source"], x["sampled"]) == (y["source"], y["sampled"])
+        assert torch.equal(x["tokens"], y["tokens"]) and torch.equal(x["labels"], y["labels"])
 
-    # Answers written with other settings are not what this capture would write: refused.
-    other = CaptureConfig(data=f"{data}[4:8]", out_dir=str(tmp_path / "other"), max_new_tokens=12, max_length=80,
-                          shard_size=3, batch_size=2, sample_share=0.5, sample_temperature=0.9, seed=1)
-    with pytest.raises(ValueError, match="other settings.*max_new_tokens 10 there, 12 here"):
-        capture_shards(model, tok, other, answers_from=[tmp_path / "all"])
-    assert not (tmp_path / "other").exists()
+
+@pytest.mark.parametrize("setting, value", [
+    ("model", "another"), ("dtype", "bfloat16"), ("max_length", 96), ("max_new_tokens", 12), ("sample_share", 0.25),
+    ("sample_temperature", 0.7), ("seed", 2), ("options", {"repetition_penalty": 1.1})])
+def test_answers_from_a_capture_with_other_answer_settings_are_refused(tmp_path, setting, value):
+    """Every setting that shapes what the target writes must agree, else the borrowed answers
+    are not what this capture would write: refused, naming it, before any work."""
+    src = tmp_path / "src"
+    src.mkdir()
+    mine = _cfg("d.jsonl", tmp_path / "new", model="tiny")
+    (src / "capture.json").write_text(json.dumps(dict(
+        {k: getattr(mine, k) for k in ("model", "dtype", "max_length", "max_new_tokens", "sample_share",
+                                       "sample_temperature", "seed", "options")}, answers="target", **{setting: value})))
+    (src / "answers-000000-000003.jsonl.gz").write_bytes(b"")
+    with pytest.raises(ValueError, match=f"other settings \\({setting} "):
+        answers_of(mine, [src])
+    with pytest.raises(ValueError, match=f"other settings \\({setting} "):
+        capture_shards(None, None, mine, answers_from=[src])
+    assert not (tmp_path / "new").exists()
+
+
+def test_answers_from_refuses_what_it_cannot_use(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    mine = _cfg("d.jsonl", tmp_path / "new", model="tiny")
     with pytest.raises(ValueError, match="no capture.json there"):
-        capture_shards(model, tok, _cfg(data, tmp_path / "x"), answers_from=[tmp_path])
+        answers_of(mine, [src])
+    fields = {k: getattr(mine, k) for k in ("model", "dtype", "max_length", "max_new_tokens", "sample_share",
+                                            "sample_temperature", "seed", "options")}
+    (src / "capture.json").write_text(json.dumps(dict(fields, answers="target")))
+    with pytest.raises(ValueError, match="holds no answers files"):
+        answers_of(mine, [src])
+    (src / "answers-000000-000003.jsonl.gz").write_bytes(b"not gzip")
+    with pytest.raises(ValueError, match="answers from .*src.*not a readable answers file.*leave that folder out"):
+        answers_of(mine, [src])
+    with pytest.raises(ValueError, match="needs? CaptureConfig.model"):
+        answers_of(_cfg("d.jsonl", tmp_path / "new"), [src])
+    with pytest.raises(ValueError, match="answers='target'"):
+        answers_of(CaptureConfig(data="d.jsonl", out_dir=str(tmp_path / "new"), answers="reference", model="tiny"),
+                   [src])
+    # With nothing sampled, the sampling settings shape nothing and need not agree.
+    greedy = CaptureConfig(data="d.jsonl", out_dir=str(tmp_path / "g"), model="tiny", max_new_tokens=10,
+                           max_length=80, shard_size=3)
+    (src / "capture.json").write_text(json.dumps(dict(fields, answers="target", sample_share=0.0, seed=7,
+                                                      sample_temperature=0.3)))
+    (src / "answers-000000-000003.jsonl.gz").unlink()
+    _write_answers(src / "answers-000000-000003.jsonl.gz", [
+        {"index": 0, "source": "d.jsonl:0", "sampled": False, "prompt_len": 5, "answer": [1, 2]}])
+    assert set(answers_of(greedy, [src])) == {"d.jsonl:0"}
+
+
+def test_an_answer_does_not_depend_on_the_batch_it_was_decoded_in(tiny_lm, tmp_path):
+    """Each answer's limit is its own (max_new_tokens, max_length less its prompt): a prompt
+    that leaves little room does not cut the answers decoded beside it (so a resumed capture
+    with another batch size, or answers borrowed into another mix, stay what they were)."""
+    model, tok = tiny_lm
+    f = tmp_path / "d.jsonl"
+
+    def write(questions):
+        f.write_text("\n".join(json.dumps({"question": q}) for q in questions) + "\n")
+        return [tokenize_example(tok, ex, answer="")[1] for ex in read_examples(str(f))]
+
+    base = "Tom had a ball and the sun was hot."
+    long_q = base
+    while write([long_q + " " + base])[0] + 2 <= 80 - 4:
+        long_q += " " + base
+    plen = write(["Lily saw a dog.", long_q, "The sun was hot."])[1]
+    assert 80 - plen < 10  # its own limit is below max_new_tokens
+    kw = dict(data=str(f), max_new_tokens=10, max_length=80, shard_size=3)
+    capture_shards(model, tok, CaptureConfig(out_dir=str(tmp_path / "b3"), batch_size=3, **kw))
+    capture_shards(model, tok, CaptureConfig(out_dir=str(tmp_path / "b1"), batch_size=1, **kw))
+    together, alone = load_shards(tmp_path / "b3", mmap=False), load_shards(tmp_path / "b1", mmap=False)
+    for x, y in zip(together, alone, strict=True):
+        assert torch.equal(x["tokens"], y["tokens"]) and torch.equal(x["labels"], y["labels"])
+    lengths = [len(r["tokens"]) - r["prompt_len"] for r in together]
+    assert lengths[1] <= 80 - plen and max(lengths[0], lengths[2]) > 80 - plen
 
 
 def test_capture_with_generation_options_answers_as_generate_with_them(tiny_lm, tmp_path):

@@ -42,7 +42,7 @@ def run(args):
     from .loading import check, load
 
     check(args)
-    from ..train.capture import CaptureConfig, capture_shards
+    from ..train.capture import CaptureConfig, answers_of, capture_shards
 
     try:
         mix = tuple(float(w) for w in args.mix.split(",")) if args.mix else None
@@ -52,13 +52,16 @@ def run(args):
             sample_temperature=args.sample_temperature, seed=args.seed, shard_size=args.shard_size,
             batch_size=args.batch_size, features=args.features, model=args.model, dtype=args.dtype,
             attention_backend=args.backend, options=generation_options(args))
+        sources = [d for d in (args.answers_from or "").split(",") if d.strip()]
+        if sources:
+            answers_of(cfg, sources)  # refused before the model loads
     except ValueError as e:
         raise UserError(f"capture: {e}") from None
     loaded = load(args)
     bars = Bars("conv", postfix=lambda p: f"gen_tok_s={p.info['tok/s']:.1f}")
     with loaded.packed():
         s = capture_shards(loaded.model, loaded.tokenizer, cfg, callback=bars,
-                           answers_from=args.answers_from.split(",") if args.answers_from else ())
+                           answers_from=sources)
     bars.close()
     rebuilt = f" ({s['rebuilt']} rebuilt from answers files)" if s["rebuilt"] else ""
     print(f"{args.out}: {s['written']} shard(s) written{rebuilt}, {s['skipped']} already there, of {s['shards']}; "

@@ -68,7 +68,8 @@ import torch
 from .data import DataStats, Example, read_jsonl, tokenize_example
 from .records import Progress, feature_ids, generated_records, teacher_forced_records
 
-__all__ = ["CaptureConfig", "capture_plan", "capture_shards", "load_shards", "parse_data_spec", "shard_files"]
+__all__ = ["CaptureConfig", "answers_of", "capture_plan", "capture_shards", "load_shards", "parse_data_spec",
+           "shard_files"]
 
 log = logging.getLogger(__name__)
 
@@ -245,40 +246,59 @@ _ANSWER_SHAPING = ("model", "dtype", "max_length", "max_new_tokens", "sample_sha
                    "options")
 
 
-def _answers_of(cfg: CaptureConfig, sources) -> dict[str, dict]:
+def answers_of(cfg: CaptureConfig, sources) -> dict[str, dict]:
     """The answers the capture folders ``sources`` hold, by source key (``dataset:index``; the
-    first folder's where several answer one), refused unless they were written with ``cfg``'s
-    answer-shaping settings."""
+    first folder's where several answer one), refused unless they were written by the same
+    model with ``cfg``'s answer-shaping settings. Cheap (answers files only): the command line
+    calls it before loading the model."""
+    if isinstance(sources, (str, os.PathLike)):
+        sources = [sources]
     if cfg.answers != "target":
         raise ValueError("answers from other captures need answers='target' (a reference capture decodes nothing)")
-    mine = {k: getattr(cfg, k) for k in _ANSWER_SHAPING}
+    if cfg.model is None:
+        raise ValueError("answers from other captures need CaptureConfig.model (the target's name), to check that "
+                         "they are its answers")
+    keys = list(_ANSWER_SHAPING)
+    if cfg.sample_share == 0:  # nothing sampled here: the sampling settings shape nothing
+        keys = [k for k in keys if k not in ("sample_temperature", "seed")]
+    mine = {k: getattr(cfg, k) for k in keys}
     by_key: dict[str, dict] = {}
-    for src in sources:
-        src = Path(src)
+    for src in map(Path, sources):
         mpath = src / MANIFEST
         if not mpath.exists():
             raise ValueError(f"answers from {src}: no {MANIFEST} there (not a treespec capture folder?)")
         theirs = json.loads(mpath.read_text())
         if theirs.get("answers", "target") != "target":
             raise ValueError(f"answers from {src}: a reference capture holds no answers of the target's")
-        diff = [k for k in _ANSWER_SHAPING if theirs.get(k) != mine[k]]
+        diff = [k for k in keys if theirs.get(k) != mine[k]]
         if diff:
             raise ValueError(f"answers from {src}: it was captured with other settings ("
                              + ", ".join(f"{k} {theirs.get(k)!r} there, {mine[k]!r} here" for k in diff)
                              + "): its answers are not what this capture would write; capture with its settings")
-        for f in sorted(src.glob("answers-*.jsonl.gz")):
-            for row in _load_answers(f).values():
+        files = sorted(src.glob("answers-*.jsonl.gz"))
+        if not files:
+            raise ValueError(f"answers from {src}: it holds no answers files (shards written before answers files "
+                             f"were: run its own treespec capture command once to write them)")
+        for f in files:
+            try:
+                rows = _load_answers(f)
+            except ValueError as e:
+                raise ValueError(f"answers from {src}: {e}".replace("delete it to decode its shard again",
+                                                                     "leave that folder out or mend the file")) from None
+            for row in rows.values():
                 by_key.setdefault(row["source"], row)
     return by_key
 
 
 def _borrow_answers(cfg: CaptureConfig, tokenizer, plan, ranges, by_key: dict[str, dict]) -> int:
     """Write the answers file of every range of ``cfg``'s plan (neither shard nor answers file
-    yet) whose every conversation to answer ``by_key`` holds (:func:`_answers_of`), so that the
+    yet) whose every conversation to answer ``by_key`` holds (:func:`answers_of`), so that the
     range is rebuilt, not decoded. Returns how many ranges got one; a range with a conversation
-    none of them answered is left to decode."""
+    none of them answered is left to decode. A borrowed prompt that tokenizes to another
+    length here is refused (other data under the same name, or another tokenizer)."""
     out = Path(cfg.out_dir)
-    borrowed = 0
+    eos = tokenizer.eos_token_id
+    borrowed = short = 0
     for a, b in ranges:
         apath = out / _answers_name(a, b)
         if apath.exists() or (out / _shard_name(a, b)).exists():
@@ -288,17 +308,27 @@ def _borrow_answers(cfg: CaptureConfig, tokenizer, plan, ranges, by_key: dict[st
             key, ex = plan[i]
             if not _answered(cfg, ex):
                 continue
+            _, plen = tokenize_example(tokenizer, ex, answer="")
+            if plen + 2 > cfg.max_length:
+                continue  # too long to answer: skipped here as there
             row = by_key.get(key)
             if row is None:
-                _, plen = tokenize_example(tokenizer, ex, answer="")
-                if plen + 2 > cfg.max_length:
-                    continue  # too long to answer: skipped here as there
                 break
+            if row["prompt_len"] != plen:
+                raise ValueError(f"answers from other captures: {key} has a prompt of {row['prompt_len']} tokens there "
+                                 f"and {plen} here (other data under that name, or another tokenizer or chat "
+                                 f"template): leave --answers-from out for this data")
+            limit = min(cfg.max_new_tokens, cfg.max_length - plen)
+            short += len(row["answer"]) < limit and row["answer"][-1] != eos
             rows.append(dict(row, index=i))
         else:
             _write_answers(apath, rows)
             borrowed += 1
     log.info("capture %s: %d of %d shards' answers taken from other captures", out, borrowed, len(ranges))
+    if short:
+        log.warning("capture %s: %d borrowed answers stop short of their limit without an end of sequence: an older "
+                    "capture cut them at the limit of the longest prompt in their batch; they are kept as cut",
+                    out, short)
     return borrowed
 
 
@@ -362,7 +392,7 @@ def capture_shards(model, tokenizer, cfg: CaptureConfig,
     "generated_tokens", "seconds", "tokens_per_second", "too_long"}`` (tokens and seconds of
     this run only; ``rebuilt``: shards written from their answers files, none decoded).
     """
-    borrowed = _answers_of(cfg, answers_from) if answers_from else None  # refused before any work
+    borrowed = answers_of(cfg, answers_from) if answers_from else None  # refused before any work
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     fids = feature_ids(model, cfg.features)
@@ -499,8 +529,10 @@ def _by_tokens(items, max_batch: int, budget: int = _REPLAY_TOKENS) -> list[list
 
 
 def _generate(model, tokenizer, prompts, fids, cfg: CaptureConfig, eos, temperature, seeds) -> list[dict]:
-    """The target's replies to ``prompts`` and the features of every position, one pass."""
-    max_new = max(1, min(cfg.max_new_tokens, cfg.max_length - max(len(p) for p in prompts)))
+    """The target's replies to ``prompts`` and the features of every position, one pass. Each
+    reply's limit is its own (``max_new_tokens``, and ``max_length`` less its prompt), not its
+    batch's: an answer does not depend on what it was decoded beside (batch size, data mix)."""
+    max_new = [max(1, min(cfg.max_new_tokens, cfg.max_length - len(p))) for p in prompts]
     return generated_records(model, prompts, fids, max_new, eos, attention_backend=cfg.attention_backend,
                              temperature=temperature, seeds=seeds, options=cfg.options, tokenizer=tokenizer)
 

@@ -175,13 +175,15 @@ class _Recorder(Drafter):
         return Session()
 
 
-def generated_records(model, prompts, fids, max_new: int, eos, *, attention_backend: str = "torch",
+def generated_records(model, prompts, fids, max_new, eos, *, attention_backend: str = "torch",
                       temperature=0.0, seeds=None, options: dict | None = None, tokenizer=None) -> list[dict]:
     """Training records of the target's own replies to ``prompts``: generated in one batch
     through treespec's engine with the features of every position recorded on the way;
-    the label after each position is the token the target wrote there. ``temperature``:
-    one for all or one per prompt (0: greedy), ``seeds`` one per prompt. ``options``:
-    GenerationConfig fields the target answers with (``tokenizer`` for ``stop_strings``)."""
+    the label after each position is the token the target wrote there. ``max_new``: one
+    length limit for all, or one per prompt (the batch decodes to the largest and each reply
+    is cut at its own: what decoding it with its own limit writes, whatever shares its batch).
+    ``temperature``: one for all or one per prompt (0: greedy), ``seeds`` one per prompt.
+    ``options``: GenerationConfig fields the target answers with (``tokenizer`` for ``stop_strings``)."""
     from ..drafters.none import NoDrafter
     from ..engine import generate
 
@@ -189,12 +191,14 @@ def generated_records(model, prompts, fids, max_new: int, eos, *, attention_back
     # token costs as much as a decoded one.
     rec = _Recorder(NoDrafter(), fids)
     sampled = any(t > 0 for t in temperature) if isinstance(temperature, (list, tuple)) else temperature > 0
-    out = generate(model, rec, "chain-1", prompts, max_new_tokens=max_new, eos_token_id=eos,
+    limits = [max_new] * len(prompts) if isinstance(max_new, int) else list(max_new)
+    out = generate(model, rec, "chain-1", prompts, max_new_tokens=max(limits), eos_token_id=eos,
                    temperature=temperature, seed=list(seeds) if sampled else None,
                    attention_backend=attention_backend, tokenizer=tokenizer, **(options or {}))
     records = []
-    for prompt, gen, f in zip(prompts, out.sequences, rec.sessions[-1]):
-        toks = list(prompt) + list(gen)
+    for prompt, gen, f, limit in zip(prompts, out.sequences, rec.sessions[-1], limits):
+        gen = list(gen)[:limit]
+        toks = list(prompt) + gen
         feats = torch.cat(f)[: len(toks) - 1]
         labels = torch.full((len(toks),), -100, dtype=torch.int64)
         # labels[i] = the target's token after position i (= toks[i+1]).
