@@ -25,8 +25,8 @@
 #   eval     benchmarks/results/ablate-prompts-validate-ROW.txt and ablate-prompts-spec-tau-ROW.json
 #            (a file already there is not made again)
 #
-# Every step resumes, so the run can span sessions. Feeds docs/training.md, "Which prompts
-# (issue 26)".
+# Every step resumes, so the run can span sessions. Feeds docs/training.md, "Which prompts:
+# templated against self-generated, and how many".
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 STEPS=${STEPS:-"restore rebuild train eval"}
