@@ -202,6 +202,12 @@ def _answers_name(start: int, stop: int) -> str:
     return f"answers-{start:06d}-{stop:06d}.jsonl.gz"
 
 
+def _answer_limit(cfg: CaptureConfig, prompt_len: int) -> int:
+    """The most tokens the target writes after a prompt of ``prompt_len`` tokens: its own
+    limit, whatever shares its batch."""
+    return min(cfg.max_new_tokens, cfg.max_length - prompt_len)
+
+
 def _answered(cfg: CaptureConfig, ex: Example) -> bool:
     """Whether the target writes this conversation's answer (else it is teacher-forced)."""
     return cfg.answers == "target" and ex.text is None
@@ -318,8 +324,7 @@ def _borrow_answers(cfg: CaptureConfig, tokenizer, plan, ranges, by_key: dict[st
                 raise ValueError(f"answers from other captures: {key} has a prompt of {row['prompt_len']} tokens there "
                                  f"and {plen} here (other data under that name, or another tokenizer or chat "
                                  f"template): leave --answers-from out for this data")
-            limit = min(cfg.max_new_tokens, cfg.max_length - plen)
-            short += len(row["answer"]) < limit and row["answer"][-1] != eos
+            short += len(row["answer"]) < _answer_limit(cfg, plen) and row["answer"][-1] != eos
             rows.append(dict(row, index=i))
         else:
             _write_answers(apath, rows)
@@ -479,7 +484,7 @@ def _capture_range(model, tokenizer, cfg, plan, a, b, fids, stats, summary, give
             row = given.get(i)
             is_sampled = _sampled(cfg, key)[0]
             if (row is None or row["source"] != key or row["prompt_len"] != plen or row["sampled"] != is_sampled
-                    or not 0 < len(row["answer"]) <= min(cfg.max_new_tokens, cfg.max_length - plen)):
+                    or not 0 < len(row["answer"]) <= _answer_limit(cfg, plen)):
                 found = "nothing" if row is None else (
                     f"{row['source']}, a prompt of {row['prompt_len']} tokens, {len(row['answer'])} answer tokens, "
                     f"{'sampled' if row['sampled'] else 'greedy'}")
@@ -532,7 +537,7 @@ def _generate(model, tokenizer, prompts, fids, cfg: CaptureConfig, eos, temperat
     """The target's replies to ``prompts`` and the features of every position, one pass. Each
     reply's limit is its own (``max_new_tokens``, and ``max_length`` less its prompt), not its
     batch's: an answer does not depend on what it was decoded beside (batch size, data mix)."""
-    max_new = [max(1, min(cfg.max_new_tokens, cfg.max_length - len(p))) for p in prompts]
+    max_new = [max(1, _answer_limit(cfg, len(p))) for p in prompts]
     return generated_records(model, prompts, fids, max_new, eos, attention_backend=cfg.attention_backend,
                              temperature=temperature, seeds=seeds, options=cfg.options, tokenizer=tokenizer)
 
