@@ -30,7 +30,7 @@ import treespec
 from tiny import dynamic_configs, tiny_model
 from treespec import TreeConfig
 from treespec.drafters.base import DraftStart
-from treespec.drafters.eagle import Eagle3Drafter, EagleDrafter, EagleHead, eagle3_feature_layers, lean_level
+from treespec.drafters.eagle import Eagle3Drafter, EagleDrafter, EagleHead, eagle3_feature_layers
 from treespec.mask import causal_mask
 from treespec.runner import FINAL_NORM, ModelRunner
 
@@ -749,71 +749,3 @@ def test_lean_single_request_pass_drafts_the_general_trees(ckpts, kind, dtype, s
             s.commit([0], [full[pos + 1: pos + 1 + commit]], [feats[pos: pos + commit]])
         pos += commit
         assert torch.equal(sessions[0].root_logp[0], sessions[1].root_logp[0])
-
-
-# ---- the compiled level --------------------------------------------------------------------
-
-_COMPILED: dict = {}  # (kind, dtype) -> (model, compiled drafter): one compile per head and dtype
-
-
-def _compiled_drafter(ckpts, kind, dtype):
-    if (kind, dtype) not in _COMPILED:
-        model = copy.deepcopy(target(kind, peak=4.0)).to(dtype)
-        drafter = treespec.load_draft(ckpts(kind)[0], model, compile=True)
-        drafter.head.to(dtype)
-        _COMPILED[kind, dtype] = model, drafter
-    return _COMPILED[kind, dtype]
-
-
-@pytest.mark.parametrize("kind,dtype", [("eagle3", torch.bfloat16), ("eagle1", torch.bfloat16)])
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(seed=st.integers(0, 2**16), data=st.data())
-def test_compiled_head_drafts_the_eager_trees(ckpts, kind, dtype, seed, data):
-    """``compile=True`` runs the lean pass through inductor (weights frozen and packed by it).
-    In bf16 it must draft exactly the eager pass's trees, tokens and scores bit for bit, and
-    leave the same draft cache, through proposals and multi-token commits; and it must have
-    compiled, not fallen back. (Against an eager head on oneDNN-packed weights it agrees as
-    those agree with plain ones: to a rounding at some row counts.)"""
-    model, compiled = _compiled_drafter(ckpts, kind, dtype)
-    eager = EagleDrafter.__new__(type(compiled))
-    eager.__dict__.update(compiled.__dict__, compile=False, _compiled=None)
-    cfg = data.draw(dynamic_configs(max_top_k=4, max_nodes=16))
-    g = torch.Generator().manual_seed(seed)
-    full = torch.randint(0, V, (40,), generator=g).tolist()
-    n = data.draw(st.integers(1, 12))
-    feats = hf_features(model, full, compiled.features_for(model)).to(dtype)
-    sessions = [d.start(model, DraftStart([full[:n]], [full[n]], [feats[:n]], 24, cfg)) for d in (compiled, eager)]
-    assert all(s.lean for s in sessions)
-    pos = n
-    for commit in data.draw(st.lists(st.integers(1, 4), min_size=1, max_size=4)):
-        a, b = (s.propose([0], [full[pos]], [cfg.depth])[0] for s in sessions)
-        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
-        assert torch.equal(a.scores, b.scores)
-        for s in sessions:
-            s.commit([0], [full[pos + 1: pos + 1 + commit]], [feats[pos: pos + commit]])
-        pos += commit
-        assert torch.equal(sessions[0].root_logp[0], sessions[1].root_logp[0])
-        length = sessions[1].cache.seq_lens[sessions[1].seq[0]]
-        assert torch.equal(*(s.cache.read(s.seq[0], 0, length) for s in sessions))
-    assert compiled._compiled.failed is None
-
-
-@pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
-def test_compiled_head_in_fp32_is_the_eager_level_to_rounding(ckpts, kind):
-    """In fp32 inductor's products sum in another order than eager's (as oneDNN-packed weights
-    do: treespec.packing), so a level agrees to rounding, not bit for bit (docs/runtime.md)."""
-    model, compiled = _compiled_drafter(ckpts, kind, torch.float32)
-    head, c = compiled.head, compiled.head.config
-    g = torch.Generator().manual_seed(1)
-    n, L = 5, 23
-    cos, sin = (t[L: L + n] for t in head.rope_table(L + n))
-    mask = torch.ones(1, 1, n, L + n, dtype=torch.bool)
-    mask[..., L:] = torch.ones(n, n, dtype=torch.bool).tril()
-    args = (torch.randint(0, V, (n,), generator=g), torch.randn(n, c.hidden_size, generator=g), cos, sin,
-            torch.randn(L, c.num_kv_heads, c.head_dim, generator=g),
-            torch.randn(L, c.num_kv_heads, c.head_dim, generator=g), mask, False)
-    with torch.inference_mode():
-        want, got = lean_level(head, *args), compiled.level()(*args)
-    for w, o in zip(want[:4], got[:4]):
-        torch.testing.assert_close(o, w, atol=1e-4, rtol=1e-4)
-    assert compiled._compiled.failed is None

@@ -79,12 +79,6 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
-    def plain(self) -> nn.Linear:
-        """An ``nn.Linear`` on the same weight and bias (not copied)."""
-        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
-        linear.weight, linear.bias = self.weight, self.bias
-        return linear
-
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
 

@@ -7,9 +7,7 @@ Variants (``--variants``, in the order given):
                 greedy verification's argmax over every row of the tree;
   ``lean``      the lean single-request pass (``EagleSession._run_one``), argmax over every row;
   ``lean+path`` the lean pass, and greedy verification's argmax over the rows it reaches alone,
-                widened to fp32 (``RequestDecoding.walk``: the default now);
-  ``compiled``  ``lean+path`` with the head's level compiled (``load_draft(..., compile=True)``:
-                inductor; compiled in the warm-up, before any timing).
+                widened to fp32 (``RequestDecoding.walk``: the default now).
 All draft the same trees (tests/test_eagle.py) and verify to the same verdicts
 (tests/test_processing.py), so only the time differs, except where ``auto`` sizes a tree from
 the step's measured times. Per variant: draft and verify milliseconds per step, the draft's
@@ -45,7 +43,7 @@ from treespec.packing import PackedLinears  # noqa: E402
 from treespec.processing import RequestDecoding  # noqa: E402
 from treespec.prompts import load_prompts  # noqa: E402
 
-VARIANTS = ("general", "lean", "lean+path", "compiled")
+VARIANTS = ("general", "lean", "lean+path")
 
 
 class _Switch:
@@ -96,16 +94,11 @@ def main() -> None:
     same = True
     print(machine_line(args.dtype, "packed" if packed else "plain weights"), flush=True)
     with packed or contextlib.nullcontext():
-        for compiled in sorted({v == "compiled" for v in variants}):  # warm-up (and compile)
-            head.compile = compiled
-            treespec.generate(model, draft, args.tree, prompts[0], max_new_tokens=64)
-        if head._compiled is not None:
-            print(f"compiling the head's level took {head._compiled.compile_seconds:.1f} s", flush=True)
+        treespec.generate(model, draft, args.tree, prompts[0], max_new_tokens=16)  # warm-up
         for i, p in enumerate(prompts):
             outs = []
             for v in variants:
-                switch.lean, switch.path = v != "general", v in ("lean+path", "compiled")
-                head.compile = v == "compiled"
+                switch.lean, switch.path = v != "general", v == "lean+path"
                 m = (out := treespec.generate(model, draft, args.tree, p, max_new_tokens=args.max_new_tokens)).metrics
                 outs.append(out.sequences[0])
                 rows[v].append({"draft_s": m.draft_seconds, "verify_s": m.verify_seconds,
@@ -118,8 +111,7 @@ def main() -> None:
     res = {"command": command("benchmarks/micro/draft_share.py", sys.argv[1:]),
            "machine": machine_line(args.dtype), "dataset": args.dataset, "tree": args.tree,
            "draft": "smollm2-135m-instruct-eagle+lookup", "packed": packed is not None, "same_tokens": same,
-           "variants": {},
-           "compile_seconds": None if head._compiled is None else round(head._compiled.compile_seconds, 1)}
+           "variants": {}}
     for v in variants:
         r = rows[v]
         steps = sum(x["steps"] for x in r)

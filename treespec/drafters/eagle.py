@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,8 +42,7 @@ from ..runner import FINAL_NORM
 from ..warn import warn
 from .base import DraftSession, DraftStart, Drafter
 
-__all__ = ["EagleHead", "EagleDrafter", "Eagle3Drafter", "load_draft", "eagle3_feature_layers", "lean_level",
-           "CompiledLevel"]
+__all__ = ["EagleHead", "EagleDrafter", "Eagle3Drafter", "load_draft", "eagle3_feature_layers"]
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +242,7 @@ class EagleHead(nn.Module):
             self._rope_table = table = (cos[0], sin[0])
         return table
 
-    def forward(self, tokens, hidden, positions, attend, rope=None, parts: list | None = None) -> torch.Tensor:
+    def forward(self, tokens, hidden, positions, attend, rope=None) -> torch.Tensor:
         """One head pass.
 
         Args:
@@ -254,8 +252,6 @@ class EagleHead(nn.Module):
             attend:    ``(q [T, Hq, D], k [T, Hkv, D], v) -> [T, Hq, D]``.
             rope:      ``(cos, sin)`` ``[T, D]`` of ``positions`` (rows of :meth:`rope_table`),
                        or None to compute them.
-            parts:     a list that receives the attention's and the MLP's outputs (what
-                       the compiled level returns beside the states: see :func:`lean_level`).
         Returns:
             ``[T, H]`` output states (fed to the next depth and to :meth:`logits`).
         """
@@ -273,12 +269,9 @@ class EagleHead(nn.Module):
         else:  # the same arithmetic on [T, H, D], heads broadcast
             cos, sin = rope[0][:, None], rope[1][:, None]
             q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        o = a.o_proj(attend(q, k, v).reshape(T, c.num_heads * c.head_dim))
-        h = residual + o
-        m = self.layer.mlp(self.layer.post_attention_layernorm(h))
-        if parts is not None:
-            parts += [o, m]
-        return h + m
+        o = attend(q, k, v).reshape(T, c.num_heads * c.head_dim)
+        h = residual + a.o_proj(o)
+        return h + self.layer.mlp(self.layer.post_attention_layernorm(h))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """``[T, V_draft]`` (EAGLE-3: draft vocabulary; EAGLE-1/2: the target's)."""
@@ -312,89 +305,6 @@ class EagleHead(nn.Module):
         }
         save_file(state, str(path / "model.safetensors"))
         (path / "config.json").write_text(json.dumps(self.config.to_json(), indent=2) + "\n")
-
-
-def lean_level(head: EagleHead, tokens, hidden, cos, sin, past_k, past_v, mask, last: bool):
-    """One head pass over ``n`` new entries that follow ``past_k``/``past_v`` in a request's
-    cache row (the lean single-request pass), and the draft's logits, as one function of its
-    tensors: what :class:`EagleSession` runs, eagerly or compiled (:class:`CompiledLevel`).
-
-    Args:
-        tokens, hidden: ``[n]`` and ``[n, H]``, as :meth:`EagleHead.forward` takes them.
-        cos, sin:       ``[n, D]``, the entries' rows of :meth:`EagleHead.rope_table`.
-        past_k, past_v: ``[L, Hkv, D]``: the row's keys and values before the new entries.
-        mask:           bool ``[1, 1, n, L + n]``: which keys each entry sees.
-        last:           logits of the last entry only (a commit) rather than of every entry.
-    Returns:
-        ``(states [n, H], k [n, Hkv, D], v, logits, parts)``: the new keys and values in the
-        cache's dtype, for the caller to write; ``parts``, the attention's and the MLP's outputs,
-        are returned so that inductor keeps each product's rounding as the eager pass has it
-        (it fuses a product into its one consumer otherwise, a bf16 rounding fewer: other
-        trees).
-    """
-    scale = head.config.head_dim ** -0.5
-    new = []
-
-    def attend(q, k, v):
-        k, v = k.to(past_k.dtype), v.to(past_v.dtype)
-        new.extend((k, v))
-        keys = torch.cat([past_k, k]).transpose(0, 1).to(torch.float32)[None]
-        values = torch.cat([past_v, v]).transpose(0, 1).to(torch.float32)[None]
-        out = F.scaled_dot_product_attention(q.to(torch.float32).transpose(0, 1)[None], keys, values,
-                                             attn_mask=mask, scale=scale, enable_gqa=keys.shape[1] != q.shape[1])
-        return out[0].transpose(0, 1).to(q.dtype)
-
-    parts = []
-    h = head(tokens, hidden, None, attend, (cos, sin), parts=parts)
-    return h, new[0], new[1], head.logits(h[-1:] if last else h), parts
-
-
-class CompiledLevel:
-    """:func:`lean_level` through ``torch.compile`` (inductor, weights frozen and packed by it,
-    shapes dynamic), for a head on a CPU: the same arithmetic as the eager pass, bit for bit
-    (tests/test_eagle.py), in fewer and fused operations.
-
-    It compiles on the first calls of a process (a few seconds per shape family: entries 1 or
-    more, every entry's logits or the last's; inductor keeps what it compiled on disk, so later
-    processes take less) and runs on a structural copy of the head that shares its weights,
-    with plain linear layers whether or not :class:`~treespec.packing.PackedLinears` has
-    swapped its own, so that packing does not reach it (inductor packs for itself). Where compiling fails (no C++ compiler, say) it warns once and the eager pass runs.
-    """
-
-    def __init__(self, head: EagleHead):
-        import copy
-
-        from ..packing import PackedLinear
-
-        shared = {id(t): t for t in (*head.parameters(), *head.buffers())}
-        shared.update((id(m), m.plain()) for m in head.modules() if isinstance(m, PackedLinear))  # swapped in now
-        shared[id(head._embed[0])] = head._embed[0]
-        if head._target_lm_head[0] is not None:
-            shared[id(head._target_lm_head[0])] = head._target_lm_head[0]
-        self.head = head
-        self._plain = copy.deepcopy(head, memo=shared)  # own modules, the same tensors
-        self._fn = torch.compile(lambda *a: lean_level(self._plain, *a), dynamic=True,
-                                 options={"freezing": True, "emulate_precision_casts": True})
-        self.failed: str | None = None
-        self.compile_seconds = 0.0
-
-    def __call__(self, *args):
-        if self.failed is not None:
-            return lean_level(self.head, *args)
-        t0 = time.perf_counter()
-        try:
-            out = self._fn(*args)
-        except Exception as e:  # noqa: BLE001 - inductor's failures have many types
-            self.failed = f"{type(e).__name__}: {e}".splitlines()[0]
-            warn(f"compiling the draft head failed ({self.failed}); drafting runs eagerly (the same trees, "
-                 "slower)")
-            return lean_level(self.head, *args)
-        took = time.perf_counter() - t0
-        if took > 0.5:  # a call that compiled
-            self.compile_seconds += took
-            log.info("draft head: compiled a level's shapes in %.1f s (%.1f s so far; inductor caches it on disk)",
-                     took, self.compile_seconds)
-        return out
 
 
 def _read_state(path: Path) -> dict[str, torch.Tensor]:
@@ -484,27 +394,12 @@ def _check_fit(c: HeadConfig, state: dict, target_model) -> None:
 
 
 class EagleDrafter(Drafter):
-    """An EAGLE-1/2 head: ``EagleDrafter.from_pretrained(path, target_model)``.
+    """An EAGLE-1/2 head: ``EagleDrafter.from_pretrained(path, target_model)``."""
 
-    ``compile=True``: a single request on a CPU drafts through :class:`CompiledLevel`
-    (inductor; the same trees; docs/runtime.md says what it costs at start-up and gains).
-    """
-
-    def __init__(self, head: EagleHead, attention_backend: str = "auto", page_size: int = 16,
-                 compile: bool = False):
+    def __init__(self, head: EagleHead, attention_backend: str = "auto", page_size: int = 16):
         self.head = head
         self.attention_backend = attention_backend
         self.page_size = page_size
-        self.compile = compile
-        self._compiled: CompiledLevel | None = None
-
-    def level(self):
-        """The lean pass's level function: :func:`lean_level` bound to the head, or compiled."""
-        if not self.compile:
-            return lambda *a: lean_level(self.head, *a)
-        if self._compiled is None:
-            self._compiled = CompiledLevel(self.head)
-        return self._compiled
 
     @classmethod
     def from_pretrained(cls, path, target_model, **kw):
@@ -539,8 +434,7 @@ class EagleDrafter(Drafter):
     def __repr__(self):
         c = self.head.config
         kind = "EAGLE-3" if c.eagle3 else "EAGLE-1/2"
-        more = ", compiled" if self.compile else ""
-        return f"{type(self).__name__}({kind}, hidden {c.hidden_size}, draft vocab {c.draft_vocab_size}{more})"
+        return f"{type(self).__name__}({kind}, hidden {c.hidden_size}, draft vocab {c.draft_vocab_size})"
 
 
 class Eagle3Drafter(EagleDrafter):
@@ -590,7 +484,6 @@ class EagleSession(DraftSession):
         # One request on a CPU: the lean pass of _run_one (no batch plan; RoPE from a table).
         self.lean = isinstance(self.backend, TorchBackend) and self.device.type == "cpu"
         self.rope = head.rope_table(self.cache.capacity(self.seq[0])) if self.lean else None
-        self.level = drafter.level() if self.lean else None
         tokens, features = [], []
         for r, (pr, t, f) in enumerate(zip(ctx.prompts, ctx.first_tokens, ctx.features)):
             hit = ctx.prefix[r] if ctx.prefix is not None else None
@@ -606,13 +499,12 @@ class EagleSession(DraftSession):
         self._extend(list(range(len(ctx.prompts))), tokens, features)
 
     @torch.inference_mode()
-    def _run(self, requests, tokens, hidden, positions, masks, extra_keys=None, last=False):
-        """Head pass over each request's new entries: per-request states and draft logits
-        (of every entry, or of the last with ``last``)."""
+    def _run(self, requests, tokens, hidden, positions, masks, extra_keys=None):
+        """Head pass over each request's new entries; returns per-request outputs."""
         if self.lean and len(requests) == 1:
-            out = self._run_one(requests[0], tokens[0], hidden[0], positions[0], masks[0], last)
+            out = self._run_one(requests[0], tokens[0], hidden[0], positions[0], masks[0])
             if out is not None:
-                return [out[0]], [out[1]]
+                return [out]
         seqs = [self.seq[r] for r in requests]
         prefix = [self.cache.seq_lens[s] for s in seqs]
         kpos = [p if extra_keys is None else torch.cat([extra_keys[i], p]) for i, p in enumerate(positions)]
@@ -624,17 +516,13 @@ class EagleSession(DraftSession):
 
         toks = torch.cat(tokens).to(self.device)
         h = self.head(toks, torch.cat(hidden).to(self.dtype), torch.cat(positions).to(self.device), attend)
-        sizes = [t.numel() for t in tokens]
-        states = list(torch.split(h, sizes))
-        if last:
-            return states, list(self.head.logits(torch.cat([x[-1:] for x in states]))[:, None])
-        return states, list(torch.split(self.head.logits(h), sizes))
+        return list(torch.split(h, [t.numel() for t in tokens]))
 
-    def _run_one(self, request, tokens, hidden, positions, mask, last):
+    def _run_one(self, request, tokens, hidden, positions, mask):
         """:meth:`_run` for one request whose entries lie in its row of the cache, with the
         torch backend's arithmetic (fp32 SDPA over the row's keys) and none of its batch
-        planning, which costs more than the head's attention itself: ``(states, logits)``, or
-        None when the row cannot hold them (the general pass then runs)."""
+        planning, which costs more than the head's attention itself; None when the row cannot
+        hold them (the general pass then runs)."""
         cache, seq = self.cache, self.seq[request]
         L = cache.seq_lens[seq]
         n, m = mask.shape
@@ -648,13 +536,22 @@ class EagleSession(DraftSession):
         full = torch.ones(n, kv, dtype=torch.bool)
         full[:, L:] = mask
         full = full.to(self.device)[None, None]
-        fk, fv = cache.flat(0)
+        scale = self.head.config.head_dim ** -0.5
+
+        def attend(q, k, v):
+            fk, fv = cache.flat(0)
+            fk[start + kv - n: start + kv] = k.to(fk.dtype)
+            fv[start + kv - n: start + kv] = v.to(fv.dtype)
+            keys = fk[start: start + kv].transpose(0, 1).to(torch.float32)[None]
+            values = fv[start: start + kv].transpose(0, 1).to(torch.float32)[None]
+            out = F.scaled_dot_product_attention(q.to(torch.float32).transpose(0, 1)[None], keys, values,
+                                                 attn_mask=full, scale=scale,
+                                                 enable_gqa=keys.shape[1] != q.shape[1])
+            return out[0].transpose(0, 1).to(q.dtype)
+
         pos = positions.to(self.device)
-        new = slice(start + kv - n, start + kv)
-        h, k, v, logits, _ = self.level(tokens.to(self.device), hidden.to(self.dtype), self.rope[0][pos],
-                                        self.rope[1][pos], fk[start: new.start], fv[start: new.start], full, last)
-        fk[new], fv[new] = k, v
-        return h, logits
+        rope = (self.rope[0][pos], self.rope[1][pos])
+        return self.head(tokens.to(self.device), hidden.to(self.dtype), pos, attend, rope)
 
     def _extend(self, requests, tokens, features):
         """Draft extend: entries (f_i, token_i) for committed tokens, then the root's
@@ -668,14 +565,15 @@ class EagleSession(DraftSession):
             hid = [self.head.project(f.to(self.device, self.dtype)) for f in features]
         pos = [torch.arange(self.cache.seq_lens[self.seq[r]], self.cache.seq_lens[self.seq[r]] + len(t))
                for r, t in zip(requests, tokens)]
-        states, logits = self._run(requests, toks, hid, pos, [causal_mask(len(t)) for t in tokens], last=True)
+        out = self._run(requests, toks, hid, pos, [causal_mask(len(t)) for t in tokens])
         with torch.inference_mode():
-            for r, t, h, lg in zip(requests, tokens, states, logits):
+            for r, t, h in zip(requests, tokens, out):
                 s = self.seq[r]
                 L = self.cache.seq_lens[s]
                 self.cache.commit(s, torch.arange(L, L + len(t)))
-                self.root_state[r] = h[-1:]
-                self.root_logp[r] = lg[0].float().log_softmax(-1)
+                last = h[-1:]
+                self.root_state[r] = last
+                self.root_logp[r] = self.head.logits(last)[0].float().log_softmax(-1)
 
     def propose(self, requests, roots, max_depth):
         requests = list(requests)
@@ -689,14 +587,15 @@ class EagleSession(DraftSession):
             k = f.tokens.shape[1]
             pos = torch.full((k,), f.depth, dtype=torch.int64)
             tok = head.draft_to_target(f.tokens.to(self.device))
-            states, logits = self._run(
+            out = self._run(
                 requests, list(tok), list(f.parent_state), [b - 1 + pos for b in base],
                 list(f.ancestors.cpu()), extra_keys=[b - 1 + tree_pos for b in base],
             )
             tree_pos = torch.cat([tree_pos, pos])
+            h = torch.stack(out)  # [B, k, H]
             with torch.inference_mode():
-                logp = torch.stack(logits).float().log_softmax(-1)  # [B, k, V]
-            return logp, torch.stack(states)
+                logp = head.logits(h).float().log_softmax(-1)
+            return logp, h
 
         root_logp = torch.stack([self.root_logp[r] for r in requests])
         root_state = torch.stack([self.root_state[r] for r in requests])  # [B, 1, H]
