@@ -12,9 +12,11 @@
 #   capture  the target's answers: magpie-chat[:256] held out (runs/cap-magpie-val, greedy), the
 #            rest (a fifth sampled at T=0.8) in resumable shards of 64: [256:2928], the first 52 chunks' turns, in
 #            runs/cap-magpie (captured whole), and the turns sampled after them in runs/cap-magpie-more
-#   follow   second turns: a follow-up the target writes to each answer of cap-magpie-val, then cap-magpie
-#            (python -m treespec.train.magpie --follow-ups: chunks of 64 in runs/magpie2), filtered, written
-#            to treespec/data/magpie_chat2.jsonl.gz; the rows that follow held-out conversations come first
+#   follow   second turns: a follow-up the target writes to each answer of the FOLLOW captures (default
+#            cap-magpie-val, then cap-magpie; add ,benchmarks/data/captures/cap-magpie-more once it is kept whole:
+#            its chunks then append) (python -m treespec.train.magpie --follow-ups: chunks of 64 in runs/magpie2),
+#            filtered, written to treespec/data/magpie_chat2.jsonl.gz; the rows that follow held-out conversations
+#            come first
 #   capture2 the target's answers to the second turns (treespec/data/magpie_chat2.jsonl.gz, packaged as
 #            magpie-chat2; VAL2=233 for the shipped set): the first VAL2 rows held out (runs/cap-magpie2-val,
 #            greedy; VAL2 is what `follow` printed for cap-magpie-val's rows), the rest runs/cap-magpie2
@@ -23,7 +25,8 @@
 #            (runs/cap-all-2688: so that the head keeps what it knew; a folder of its own, as a fine-tune takes
 #            whatever a folder holds) and runs/cap-val's first 64 (its held-out check)
 #   finetune HEAD (default: the shipped head), EPOCHS epochs (default 2) at a third of its learning rate, on
-#            runs/cap-magpie, runs/cap-magpie2 (what capture2 has done) and runs/cap-all-2688, validated on
+#            TRAIN (default runs/cap-magpie, runs/cap-magpie2 (what capture2 has done) and runs/cap-all-2688; the
+#            whole mixture of issue 26 adds runs/cap-magpie-more), validated on
 #            runs/cap-magpie-val: FT/head (default runs/ft-magpie3; resumes), then validate_head.py on the held-out
 #            first turns, second turns and old plan. The head shipped now (docs/training.md) is
 #            HEAD=runs/head-old4 EPOCHS=2 FT=runs/ft-magpie3, its second-result run EPOCHS=1 FT=runs/ft-magpie2 MAX2=1024
@@ -38,6 +41,8 @@ N=${N:-8192}
 HEAD=${HEAD:-smollm2-135m-instruct-eagle}
 EPOCHS=${EPOCHS:-2}
 FT=${FT:-runs/ft-magpie3}
+FOLLOW=${FOLLOW:-benchmarks/data/captures/cap-magpie-val,benchmarks/data/captures/cap-magpie}
+TRAIN=${TRAIN:-runs/cap-magpie,runs/cap-magpie2,runs/cap-all-2688}
 THREADS=${THREADS:-2}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 say() { echo "== $* ($(date -u +%H:%M:%S))"; }
@@ -73,7 +78,7 @@ if has capture; then
 fi
 if has follow; then
   say "follow: second turns"
-  python -m treespec.train.magpie --follow-ups benchmarks/data/captures/cap-magpie-val,benchmarks/data/captures/cap-magpie \
+  python -m treespec.train.magpie --follow-ups "$FOLLOW" \
     --work runs/magpie2 --out treespec/data --threads "$THREADS"
   python -c "import treespec.data as d; print(sum(int(r['source'].split(':')[1]) < 256 for r in d.read_jsonl('treespec/data/magpie_chat2.jsonl.gz')), 'rows follow held-out conversations')"
 fi
@@ -97,7 +102,7 @@ if has rebuild; then
 fi
 if has finetune; then
   say "finetune: train $FT from $HEAD"
-  treespec train-eagle --init "$HEAD" --captured runs/cap-magpie,runs/cap-magpie2,runs/cap-all-2688 \
+  treespec train-eagle --init "$HEAD" --captured "$TRAIN" \
     --val-captured runs/cap-magpie-val --out "$FT" --epochs "$EPOCHS" --lr 3e-4 --max-length 768 --threads "$THREADS"
   say "finetune: validate ($HEAD, then the fine-tuned one)"
   for v in runs/cap-magpie-val runs/cap-magpie2-val runs/cap-val; do
