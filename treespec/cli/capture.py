@@ -53,15 +53,14 @@ def run(args):
             batch_size=args.batch_size, features=args.features, model=args.model, dtype=args.dtype,
             attention_backend=args.backend, options=generation_options(args))
         sources = [d for d in (args.answers_from or "").split(",") if d.strip()]
-        if sources:
-            answers_of(cfg, sources)  # refused before the model loads
+        borrowed = answers_of(cfg, sources) if sources else None  # refused before the model loads
     except ValueError as e:
         raise UserError(f"capture: {e}") from None
     loaded = load(args)
     bars = Bars("conv", postfix=lambda p: f"gen_tok_s={p.info['tok/s']:.1f}")
     with loaded.packed():
         s = capture_shards(loaded.model, loaded.tokenizer, cfg, callback=bars,
-                           answers_from=sources)
+                           answers_from=sources, borrowed=borrowed)
     bars.close()
     rebuilt = f" ({s['rebuilt']} rebuilt from answers files)" if s["rebuilt"] else ""
     print(f"{args.out}: {s['written']} shard(s) written{rebuilt}, {s['skipped']} already there, of {s['shards']}; "

@@ -386,18 +386,22 @@ def _sampled(cfg: CaptureConfig, key: str) -> tuple[bool, int]:
 
 @torch.inference_mode()
 def capture_shards(model, tokenizer, cfg: CaptureConfig,
-                   callback: Callable[[Progress], None] | None = None, answers_from=()) -> dict:
+                   callback: Callable[[Progress], None] | None = None, answers_from=(),
+                   borrowed: dict[str, dict] | None = None) -> dict:
     """Capture the plan into ``cfg.out_dir`` shard by shard, skipping shards already there.
 
     ``answers_from``: capture folders (same model and answer settings) whose answers to the
     same prompts are taken instead of decoding them again: a range they answer whole is
     rebuilt from them (a capture of a subset, or of another mix, of data captured before).
+    ``borrowed``: what :func:`answers_of` read from them already (the command line checks
+    them before the model loads), so that their files are not read twice.
 
     Returns a summary: ``{"shards", "written", "skipped", "rebuilt", "conversations",
     "generated_tokens", "seconds", "tokens_per_second", "too_long"}`` (tokens and seconds of
     this run only; ``rebuilt``: shards written from their answers files, none decoded).
     """
-    borrowed = answers_of(cfg, answers_from) if answers_from else None  # refused before any work
+    if answers_from and borrowed is None:
+        borrowed = answers_of(cfg, answers_from)  # refused before any work
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     fids = feature_ids(model, cfg.features)
