@@ -32,14 +32,24 @@ def _as_index_tensor(values, name: str) -> torch.Tensor:
     return t.to(device="cpu", dtype=torch.int64).contiguous()
 
 
-def _depths(parents: torch.Tensor) -> torch.Tensor:
-    # One pass suffices because parents precede children.
-    depth = torch.zeros_like(parents)
-    p = parents.tolist()
-    d = depth.tolist()
+def _checked_depths(p: list[int]) -> list[int]:
+    """Each node's depth for parents ``p``, raising on what is not a tree in topological
+    order. Plain Python: trees are tens of nodes, where a tensor operation costs more than
+    the loop (a tree is built several times a decoding step)."""
+    if not p:
+        raise ValueError("a tree needs at least the root: parents must have length >= 1")
+    if p[0] != -1:
+        raise ValueError(f"parents[0] must be -1 (node 0 is the root), got {p[0]}")
+    if -1 in p[1:]:
+        raise ValueError(f"node {p.index(-1, 1)} has parent -1: a tree has exactly one root (node 0)")
+    depth = [0] * len(p)
     for i in range(1, len(p)):
-        d[i] = d[p[i]] + 1
-    return torch.tensor(d, dtype=torch.int64)
+        if not 0 <= p[i] < i:  # one pass suffices because parents precede children
+            why = "a cycle or a parent after its child" if p[i] >= i else "a negative parent"
+            raise ValueError(f"node {i} has parent {p[i]}: {why}; nodes must be in topological order "
+                             f"(0 <= parents[i] < i)")
+        depth[i] = depth[p[i]] + 1
+    return depth
 
 
 @dataclass(frozen=True, eq=False)
@@ -65,40 +75,18 @@ class Tree:
 
     def __post_init__(self):
         parents = _as_index_tensor(self.parents, "parents")
-        n = parents.numel()
-        if n == 0:
-            raise ValueError("a tree needs at least the root: parents must have length >= 1")
-        if parents[0] != -1:
-            raise ValueError(f"parents[0] must be -1 (node 0 is the root), got {int(parents[0])}")
-        if n > 1:
-            rest = parents[1:]
-            idx = torch.arange(1, n)
-            if (rest == -1).any():
-                i = int(idx[rest == -1][0])
-                raise ValueError(f"node {i} has parent -1: a tree has exactly one root (node 0)")
-            bad = (rest < 0) | (rest >= idx)
-            if bad.any():
-                i = int(idx[bad][0])
-                p = int(rest[bad][0])
-                why = "a cycle or a parent after its child" if p >= i else "a negative parent"
-                raise ValueError(
-                    f"node {i} has parent {p}: {why}; nodes must be in topological order "
-                    f"(0 <= parents[i] < i)"
-                )
+        p = parents.tolist()
+        n = len(p)
         object.__setattr__(self, "parents", parents)
-        object.__setattr__(self, "depth", _depths(parents))
+        object.__setattr__(self, "depth", torch.tensor(_checked_depths(p), dtype=torch.int64))
 
         if self.tokens is not None:
             tokens = _as_index_tensor(self.tokens, "tokens")
             if tokens.numel() != n:
                 raise ValueError(f"tokens has {tokens.numel()} entries for a tree of {n} nodes")
-            if n > 1:
-                # Siblings with one token would make the accepted set ambiguous.
-                # Shift to >= 0 first: a negative token would let (p, t) and (p+1, t-M) collide.
-                t = tokens[1:] - tokens[1:].min()
-                key = parents[1:] * (int(t.max()) + 1) + t
-                if torch.unique(key).numel() != n - 1:
-                    raise ValueError("duplicate sibling tokens: children of one parent must carry distinct tokens")
+            # Siblings with one token would make the accepted set ambiguous.
+            if len(set(zip(p[1:], tokens.tolist()[1:]))) != n - 1:
+                raise ValueError("duplicate sibling tokens: children of one parent must carry distinct tokens")
             object.__setattr__(self, "tokens", tokens)
         if self.scores is not None:
             scores = torch.as_tensor(self.scores, dtype=torch.float32).cpu().reshape(-1)
