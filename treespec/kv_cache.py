@@ -57,9 +57,11 @@ class PagedKVCache:
             raise ValueError("cache dimensions must be >= 1")
         self.page_size = page_size
         self.num_pages = num_pages
-        shape = (num_pages, page_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        # One tensor for all layers, so that moving a sequence's entries (commit) is one indexed
+        # copy, not one per layer; ``k[layer]`` are its views, the layout backends read.
+        self._kv = torch.zeros((2, *shape), dtype=dtype, device=device)
+        self.k, self.v = list(self._kv[0].unbind(0)), list(self._kv[1].unbind(0))
         self.device = torch.device(device)
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low pages first
         self.page_tables: list[list[int]] = []
@@ -222,11 +224,10 @@ class PagedKVCache:
             src = self.slots(seq, keep)
             dst = self.span(seq, L, new_len)
             if not torch.equal(src, dst):
-                for layer in range(len(self.k)):
-                    fk, fv = self.flat(layer)
-                    # Index reads copy first, so overlapping moves are safe.
-                    fk[dst] = fk[src]
-                    fv[dst] = fv[src]
+                every = self._kv.view(2, len(self.k), -1, *self._kv.shape[4:])  # [2, layers, slots, Hkv, D]
+                # An index read copies first, so overlapping moves are safe; the destination is
+                # usually consecutive, and a slice is written with one copy.
+                every[:, :, as_slice(dst)] = every.index_select(2, src)
         self.seq_lens[seq] = new_len
         self.truncate(seq, new_len)
 
