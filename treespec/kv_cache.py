@@ -62,6 +62,7 @@ class PagedKVCache:
         # copy, not one per layer; ``k[layer]`` are its views, the layout backends read.
         self._kv = torch.zeros((2, *shape), dtype=dtype, device=device)
         self.k, self.v = list(self._kv[0].unbind(0)), list(self._kv[1].unbind(0))
+        self._flat = [(k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])) for k, v in zip(self.k, self.v)]
         self.device = torch.device(device)
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low pages first
         self.page_tables: list[list[int]] = []
@@ -172,9 +173,9 @@ class PagedKVCache:
     # ---- data ---------------------------------------------------------------------------
 
     def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of ``layer`` as ``[num_pages * page_size, Hkv, D]`` views."""
-        k, v = self.k[layer], self.v[layer]
-        return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
+        """K and V of ``layer`` as ``[num_pages * page_size, Hkv, D]`` views (made once: a
+        forward asks for them in every layer)."""
+        return self._flat[layer]
 
     def write(self, layer: int, slots: torch.Tensor | slice, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k``/``v`` ``[T, Hkv, D]`` at flat ``slots`` (int64 ``[T]`` or a slice)."""
