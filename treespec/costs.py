@@ -79,13 +79,15 @@ class CostCurve:
             raise ValueError("cost curve times must be positive")
         object.__setattr__(self, "tokens", t)
         object.__setattr__(self, "seconds", s)
+        # As arrays once, with the slope past the last point: ``auto`` asks several times a level.
+        slope = max((s[-1] - s[-2]) / (t[-1] - t[-2]), 0.0) if len(t) > 1 else None
+        object.__setattr__(self, "_arrays", (np.array(t, dtype=np.float64), np.array(s), slope))
 
     def __call__(self, q) -> np.ndarray:
         q = np.asarray(q, dtype=np.float64)
-        t, s = np.array(self.tokens, dtype=np.float64), np.array(self.seconds)
+        t, s, slope = self._arrays
         out = np.interp(q, t, s)
-        if len(t) > 1:
-            slope = max((s[-1] - s[-2]) / (t[-1] - t[-2]), 0.0)
+        if slope is not None:
             out = np.where(q > t[-1], s[-1] + slope * (q - t[-1]), out)
         return out
 
