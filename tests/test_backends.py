@@ -394,10 +394,10 @@ def test_cpu_cache_keeps_half_precision_kv_in_fp32_with_identical_logits(dtype):
     for kept in (None, dtype):
         cache = runner.new_cache([32])
         if kept is not None:  # the same cache in the model's own dtype
-            cache.k = [k.to(kept) for k in cache.k]
-            cache.v = [v.to(kept) for v in cache.v]
+            cache = PagedKVCache(len(cache.k), *cache.k[0].shape[2:], cache.num_pages, cache.page_size, kept)
         else:
             assert cache.k[0].dtype == torch.float32
+        assert cache.flat(0)[0].dtype == (kept or torch.float32)
         seq = cache.add_sequence()
         with runner.attached():
             pre = runner.forward(cache, [seq], [prompt], [torch.arange(9)], [causal_mask(9)])

@@ -173,6 +173,34 @@ def test_second_commit_appends_after_the_prefix():
     assert k[:, 0, 0].tolist() == [0.0, 1.0, 3.0, 6.0]
 
 
+@settings(max_examples=40, **SETTINGS)
+@given(page_size=st.integers(1, 4), prefix=st.integers(0, 6), ahead=st.integers(1, 12), data=st.data())
+def test_commit_moves_every_layer_among_interleaved_pages(page_size, prefix, ahead, data):
+    """A commit moves the kept entries of every layer, K and V, to the positions after the
+    prefix, also when the sequence's pages interleave with another's (slots not consecutive)
+    and the moves overlap; the prefix and the other sequence stay as they were."""
+    layers = 3
+    cache = PagedKVCache(layers, 2, 4, num_pages=64, page_size=page_size)
+    a, b = cache.add_sequence(), cache.add_sequence()
+    for n in range(page_size, prefix + ahead + page_size, page_size):  # a page each, in turn
+        cache.reserve(a, min(n, prefix + ahead))
+        cache.reserve(b, n)
+    g = torch.Generator().manual_seed(prefix * 100 + ahead)
+    cache._kv.copy_(torch.randn(cache._kv.shape, generator=g))  # other values in every layer, K and V
+    cache.seq_lens[a], cache.seq_lens[b] = prefix, n
+    keep = sorted(data.draw(st.sets(st.integers(prefix, prefix + ahead - 1))))
+
+    def at(seq, positions):  # [layers, 2, n, Hkv, D]
+        slots = cache.slots(seq, torch.tensor(positions, dtype=torch.int64))
+        return torch.stack([torch.stack(cache.gather(layer, slots)) for layer in range(layers)])
+
+    want_a, want_b = at(a, list(range(prefix)) + keep), at(b, list(range(n)))
+    cache.commit(a, torch.tensor(keep, dtype=torch.int64))
+    assert cache.seq_lens[a] == prefix + len(keep)
+    assert torch.equal(at(a, list(range(prefix + len(keep)))), want_a)
+    assert torch.equal(at(b, list(range(n))), want_b)
+
+
 # ---- page accounting ------------------------------------------------------------------------
 
 def test_pages_return_after_commit():

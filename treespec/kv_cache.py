@@ -1,7 +1,8 @@
 """treespec's paged KV cache.
 
 Every layer has one K and one V tensor in FlashInfer's NHD layout,
-``[num_pages, page_size, Hkv, D]``. A sequence owns a page table; its logical position p
+``[num_pages, page_size, Hkv, D]``, views of one tensor that holds every layer's (so that a
+commit moves the accepted entries of all layers with one indexed copy). A sequence owns a page table; its logical position p
 lives in page ``table[p // page_size]`` at offset ``p % page_size``, i.e. at the flat slot
 ``table[p // page_size] * page_size + p % page_size`` of the ``[num_pages * page_size,
 Hkv, D]`` view.
@@ -59,9 +60,11 @@ class PagedKVCache:
         self.num_pages = num_pages
         shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
         # One tensor for all layers, so that moving a sequence's entries (commit) is one indexed
-        # copy, not one per layer; ``k[layer]`` are its views, the layout backends read.
+        # copy, not one per layer; ``k[layer]`` and ``v[layer]`` are views of it, the layout the
+        # backends read (tuples: the storage is fixed, a layer cannot be swapped for another).
         self._kv = torch.zeros((2, *shape), dtype=dtype, device=device)
-        self.k, self.v = list(self._kv[0].unbind(0)), list(self._kv[1].unbind(0))
+        self.k = tuple(self._kv[0][layer] for layer in range(num_layers))
+        self.v = tuple(self._kv[1][layer] for layer in range(num_layers))
         self._flat = [(k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])) for k, v in zip(self.k, self.v)]
         self.device = torch.device(device)
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low pages first
@@ -160,12 +163,14 @@ class PagedKVCache:
 
     def slots(self, seq: int, positions: torch.Tensor) -> torch.Tensor:
         """int64 flat slots of logical ``positions`` of ``seq`` (on the cache's device)."""
-        positions = torch.as_tensor(positions, dtype=torch.int64)
+        return self._cpu_slots(seq, positions).to(self.device)
+
+    def _cpu_slots(self, seq: int, positions) -> torch.Tensor:
+        positions = torch.as_tensor(positions, dtype=torch.int64).cpu()
         table = torch.tensor(self.page_tables[seq], dtype=torch.int64)
         if positions.numel() and int(positions.max()) >= table.numel() * self.page_size:
             raise IndexError(f"position {int(positions.max())} of sequence {seq} is not reserved")
-        flat = table[positions // self.page_size] * self.page_size + positions % self.page_size
-        return flat.to(self.device)
+        return table[positions // self.page_size] * self.page_size + positions % self.page_size
 
     def span(self, seq: int, start: int, end: int) -> torch.Tensor:
         return self.slots(seq, torch.arange(start, end))
@@ -222,13 +227,15 @@ class PagedKVCache:
         if keep.numel():
             if int(keep.min()) < L:
                 raise ValueError(f"commit would overwrite the committed prefix ({int(keep.min())} < {L})")
-            src = self.slots(seq, keep)
-            dst = self.span(seq, L, new_len)
+            src = self._cpu_slots(seq, keep)
+            dst = self._cpu_slots(seq, torch.arange(L, new_len))
             if not torch.equal(src, dst):
                 every = self._kv.view(2, len(self.k), -1, *self._kv.shape[4:])  # [2, layers, slots, Hkv, D]
                 # An index read copies first, so overlapping moves are safe; the destination is
                 # usually consecutive, and a slice is written with one copy.
-                every[:, :, as_slice(dst)] = every.index_select(2, src)
+                to = as_slice(dst)
+                every[:, :, to if isinstance(to, slice) else to.to(self.device)] = every.index_select(
+                    2, src.to(self.device))
         self.seq_lens[seq] = new_len
         self.truncate(seq, new_len)
 

@@ -37,6 +37,7 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=24)
     ap.add_argument("--src", default=str(Path(__file__).resolve().parents[2]),
                     help="the checkout whose treespec is timed (default: this one)")
+    ap.add_argument("--out", default=None, help="also write the figures as JSON")
     args = ap.parse_args()
     sys.path.insert(0, args.src)
     import torch
@@ -60,10 +61,21 @@ def main() -> None:
         cache.seq_lens[seq] = 300
         cache.commit(seq, keep)
 
-    print(f"treespec from {args.src}; torch {torch.__version__}, {args.threads} threads, "
-          f"{machine_info().get('cpu', '?')}")
-    print(f"Tree of {n} nodes:  {1e6 * _timed(lambda: Tree(parents, tokens, scores, source), args.rounds, args.calls):7.1f} us")
-    print(f"cache commit:       {1e6 * _timed(commit, args.rounds, args.calls):7.1f} us")
+    import subprocess
+
+    rev = subprocess.run(["git", "-C", args.src, "rev-parse", "--short", "HEAD"], capture_output=True,
+                         text=True).stdout.strip() or None
+    res = {"command": "python benchmarks/micro/step_overheads.py " + " ".join(sys.argv[1:]), "commit": rev,
+           "machine": f"torch {torch.__version__}, {args.threads} threads, {machine_info().get('cpu', '?')}",
+           "tree_us": round(1e6 * _timed(lambda: Tree(parents, tokens, scores, source), args.rounds, args.calls), 1),
+           "commit_us": round(1e6 * _timed(commit, args.rounds, args.calls), 1), "nodes": n}
+    print(f"treespec of commit {rev} ({args.src}); {res['machine']}")
+    print(f"Tree of {n} nodes:  {res['tree_us']:7.1f} us")
+    print(f"cache commit:       {res['commit_us']:7.1f} us")
+    if args.out:
+        import json
+
+        Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
 
 
 if __name__ == "__main__":
