@@ -2,8 +2,9 @@
 
 Every layer has one K and one V tensor in FlashInfer's NHD layout,
 ``[num_pages, page_size, Hkv, D]``, views of one tensor that holds every layer's (so that a
-commit moves the accepted entries of all layers with one indexed copy). A sequence owns a page table; its logical position p
-lives in page ``table[p // page_size]`` at offset ``p % page_size``, i.e. at the flat slot
+commit moves the accepted entries of all layers with one indexed copy). A sequence owns a
+page table; its logical position p lives in page ``table[p // page_size]`` at offset
+``p % page_size``, i.e. at the flat slot
 ``table[p // page_size] * page_size + p % page_size`` of the ``[num_pages * page_size,
 Hkv, D]`` view.
 

@@ -28,7 +28,6 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from transformers.models.llama.modeling_llama import rotate_half  # noqa: E402
 
 import treespec  # noqa: E402
 from benchmarks.timing import machine_line  # noqa: E402
@@ -39,24 +38,19 @@ from treespec.packing import PackedLinears  # noqa: E402
 def level(head, tokens, hidden, cos, sin, fk, fv, start: int, kv: int, mask):
     """One lean head pass over ``n`` entries at the end of a ``kv``-entry cache row, then the
     draft's log-probs: what EagleSession._run_one and the step's logits do."""
-    c = head.config
-    x, residual = head.qkv_input(tokens, hidden)
-    a = head.layer.self_attn
-    T = x.shape[0]
-    q = a.q_proj(x).view(T, c.num_heads, c.head_dim)
-    k = a.k_proj(x).view(T, c.num_kv_heads, c.head_dim)
-    v = a.v_proj(x).view(T, c.num_kv_heads, c.head_dim)
-    cos, sin = cos[:, None], sin[:, None]
-    q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-    fk[start + kv - T: start + kv] = k.to(fk.dtype)
-    fv[start + kv - T: start + kv] = v.to(fv.dtype)
-    keys = fk[start: start + kv].transpose(0, 1).to(torch.float32)[None]
-    values = fv[start: start + kv].transpose(0, 1).to(torch.float32)[None]
-    o = F.scaled_dot_product_attention(q.to(torch.float32).transpose(0, 1)[None], keys, values, attn_mask=mask,
-                                       scale=c.head_dim ** -0.5, enable_gqa=keys.shape[1] != q.shape[1])
-    o = o[0].transpose(0, 1).to(q.dtype).reshape(T, c.num_heads * c.head_dim)
-    h = residual + a.o_proj(o)
-    h = h + head.layer.mlp(head.layer.post_attention_layernorm(h))
+    n = tokens.shape[0]
+
+    def attend(q, k, v):
+        fk[start + kv - n: start + kv] = k.to(fk.dtype)
+        fv[start + kv - n: start + kv] = v.to(fv.dtype)
+        keys = fk[start: start + kv].transpose(0, 1).to(torch.float32)[None]
+        values = fv[start: start + kv].transpose(0, 1).to(torch.float32)[None]
+        out = F.scaled_dot_product_attention(q.to(torch.float32).transpose(0, 1)[None], keys, values,
+                                             attn_mask=mask, scale=head.config.head_dim ** -0.5,
+                                             enable_gqa=keys.shape[1] != q.shape[1])
+        return out[0].transpose(0, 1).to(q.dtype)
+
+    h = head(tokens, hidden, None, attend, (cos, sin))
     return h, head.logits(h).float().log_softmax(-1)
 
 

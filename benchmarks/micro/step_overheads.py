@@ -13,7 +13,9 @@ else on the cores (a parallel copy on a busy core costs several times its idle t
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -61,8 +63,6 @@ def main() -> None:
         cache.seq_lens[seq] = 300
         cache.commit(seq, keep)
 
-    import subprocess
-
     rev = subprocess.run(["git", "-C", args.src, "rev-parse", "--short", "HEAD"], capture_output=True,
                          text=True).stdout.strip() or None
     res = {"command": "python benchmarks/micro/step_overheads.py " + " ".join(sys.argv[1:]), "commit": rev,
@@ -73,8 +73,6 @@ def main() -> None:
     print(f"Tree of {n} nodes:  {res['tree_us']:7.1f} us")
     print(f"cache commit:       {res['commit_us']:7.1f} us")
     if args.out:
-        import json
-
         Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
 
 
