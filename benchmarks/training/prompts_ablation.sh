@@ -7,7 +7,9 @@
 #   templ-2672    2,672 templated chat prompts (chat-train[:2672], the generator the old plan used)
 #   self-2672     2,672 self-generated first turns (magpie-chat[256:2928], runs/cap-magpie)
 #   self-1336     the first 1,336 of them                                   (amount)
-#   self-3952     those and the 1,280 of runs/cap-magpie-more               (amount)
+#   self-3952     those and the first 1,280 of runs/cap-magpie-more         (amount)
+#   self-7000     those and the first 4,328 of runs/cap-magpie-more         (amount)
+#   self-14179    all 14,179 self-generated first turns (magpie-chat[256:]) (amount)
 #   self-2672+2nd self-2672 and 1,984 second turns (runs/cap-magpie2)      (second turns)
 #
 # Each row: held-out top-1 by step on 64 greedy conversations of self-generated first turns,
@@ -57,7 +59,11 @@ if has rebuild; then
     --threads "$THREADS"
   say "rebuild: self-generated first turns"
   treespec capture --data "magpie-chat[256:2928]" --out runs/cap-magpie "${FIFTH[@]}" --threads "$THREADS"
-  treespec capture --data "magpie-chat[2928:]" --out runs/cap-magpie-more "${FIFTH[@]}" --max-examples 1280 \
+  more=1280  # as many of runs/cap-magpie-more as the rows ask for (42 s a shard here)
+  for row in $ROWS; do
+    if [ "$row" = self-14179 ]; then more=11507; elif [ "$row" = self-7000 ] && [ "$more" -lt 4328 ]; then more=4328; fi
+  done
+  treespec capture --data "magpie-chat[2928:]" --out runs/cap-magpie-more "${FIFTH[@]}" --max-examples "$more" \
     --threads "$THREADS"
   say "rebuild: second turns"
   treespec capture --data "treespec/data/magpie_chat2.jsonl.gz[233:]" --out runs/cap-magpie2 --max-length 768 \
@@ -68,7 +74,9 @@ data() {  # a row's training folders and --max-examples
     templ-2672) echo "runs/cap-chat" ;;
     self-2672) echo "runs/cap-magpie" ;;
     self-1336) echo "runs/cap-magpie --max-examples 1336" ;;
-    self-3952) echo "runs/cap-magpie,runs/cap-magpie-more" ;;
+    self-3952) echo "runs/cap-magpie,runs/cap-magpie-more --max-examples 3952" ;;
+    self-7000) echo "runs/cap-magpie,runs/cap-magpie-more --max-examples 7000" ;;
+    self-14179) echo "runs/cap-magpie,runs/cap-magpie-more" ;;
     self-2672+2nd) echo "runs/cap-magpie,runs/cap-magpie2" ;;
     *) echo "unknown row $1" >&2; exit 2 ;;
   esac
