@@ -14,7 +14,8 @@ questions = [
     "Tom has 3 boxes with 12 apples each. He gives away 10 apples. How many are left?",
     "Write the numbers from 1 to 10 separated by commas.",
 ]
-prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                   return_dict=False)
            for q in questions]
 out = treespec.generate(model, draft, "chain-2", prompts, max_new_tokens=64)
 for q, seq, r in zip(questions, out.sequences, out.metrics.requests):

@@ -11,9 +11,9 @@ draft = treespec.load_draft("smollm2-135m-instruct-eagle", model)
 
 ids = tok.apply_chat_template(
     [{"role": "user", "content": "A baker makes 24 rolls and sells 3/4 of them. How many are left?"}],
-    add_generation_prompt=True,
+    add_generation_prompt=True, return_dict=False,
 )
-out = treespec.generate(model, draft, "chain-2", ids, max_new_tokens=96)  # fastest on a 2-core CPU
+out = treespec.generate(model, draft, "chain-3", ids, max_new_tokens=96)  # a fixed 3-token chain
 print(tok.decode(out.sequences[0], skip_special_tokens=True))
 m = out.metrics
 print(f"{m.num_generated} tokens in {m.num_steps} target forwards "
