@@ -605,8 +605,22 @@ def test_soft_labels_are_the_targets_distribution(tiny_lm, tmp_path):
 # ---- command line -----------------------------------------------------------------------------
 
 
-def test_cli_capture_resumes_and_train_eagle_reads_it(tmp_path, capsys):
+def test_keep_freed_memory_applies_on_glibc():
+    import platform
+    import sys
+
+    from treespec.train import keep_freed_memory
+
+    if not (sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"):
+        pytest.skip("mallopt is glibc's")
+    assert keep_freed_memory() is True
+
+
+def test_cli_capture_resumes_and_train_eagle_reads_it(tmp_path, capsys, monkeypatch):
     from treespec import cli
+
+    kept = []  # train-eagle keeps freed memory for the next step (process-wide, so the CLI's call)
+    monkeypatch.setattr("treespec.train.keep_freed_memory", lambda: kept.append(True) or True)
 
     lm = str(save_tiny_lm(tmp_path / "lm"))
     data = _data(tmp_path)
@@ -624,7 +638,7 @@ def test_cli_capture_resumes_and_train_eagle_reads_it(tmp_path, capsys):
     out = str(tmp_path / "run")
     assert cli.main(["train-eagle", "--model", lm, "--captured", cap, "--out", out, "--epochs", "1",
                      "--batch-size", "4", "--draft-vocab", "64"]) == 0
-    assert (tmp_path / "run" / "head" / "config.json").exists()
+    assert (tmp_path / "run" / "head" / "config.json").exists() and kept == [True]
     assert cli.main(["train-eagle", "--model", lm, "--out", out]) == 2
     assert "give --data" in capsys.readouterr().err
     assert cli.main(["capture", "--model", lm, "--data", data, "--out", cap, "--mix", "1,2"]) == 2

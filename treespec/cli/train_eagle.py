@@ -59,7 +59,7 @@ def _postfix(p) -> str | None:
 
 
 def run(args):
-    from ..train import TrainConfig, train_eagle
+    from ..train import TrainConfig, keep_freed_memory, train_eagle
     from .loading import load_model, setup_threads
 
     if (args.data is None) == (args.captured is None):
@@ -75,6 +75,7 @@ def run(args):
         dtype=args.dtype, soft_labels=args.soft_labels, init=args.init,
     )
     setup_threads(args)
+    keep_freed_memory()
     # float32 weights: --dtype is training's autocast dtype (TrainConfig.dtype), not the target's.
     model, tok = load_model(args.model)
     bars = Bars(postfix=_postfix, disable=False)

@@ -7,6 +7,6 @@ Modules, each importing only those before it: ``data`` (JSONL in, tokenised conv
 """
 
 from .records import Progress
-from .trainer import TrainConfig, capture, train_eagle, validate
+from .trainer import TrainConfig, capture, keep_freed_memory, train_eagle, validate
 
-__all__ = ["TrainConfig", "train_eagle", "capture", "Progress", "validate"]
+__all__ = ["TrainConfig", "train_eagle", "capture", "Progress", "validate", "keep_freed_memory"]
