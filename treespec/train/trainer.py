@@ -49,12 +49,11 @@ log = logging.getLogger(__name__)
 
 
 def keep_freed_memory() -> bool:
-    """Have glibc's malloc keep what a training step frees for the next step instead of handing
-    it back to the system and faulting it in again, page by page (its default for blocks over
-    128 KiB to 32 MiB, which a step's activations and gradients are). Process-wide, so
-    ``treespec train-eagle`` calls it and :func:`train_eagle` does not. Measured (AMD EPYC Zen 4,
-    2 threads, bf16 autocast, 27 steps of 8 conversations): 2.82 s a step against 3.38-3.68,
-    system time 18 s against 35-44, the same losses (docs/training.md). Returns whether it
+    """Have glibc's malloc keep what a training step frees for the next step (blocks under
+    1 GiB from the heap, its top given back only past 2 GiB free) instead of handing a step's
+    activations and gradients back to the system and faulting them in again, page by page:
+    1.2-1.3x faster steps on two Zen 4 threads (docs/training.md, "Precision"). Process-wide,
+    so ``treespec train-eagle`` calls it and :func:`train_eagle` does not. Returns whether it
     applied: False where the C library has no ``mallopt`` (not glibc)."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
