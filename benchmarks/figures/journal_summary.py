@@ -1,8 +1,8 @@
 """What a Spec-Bench bench journal holds so far, per category: a run of hours (the 480
 questions, issue 26) spans sessions, and its figures are worth reading before it ends.
 
-    python benchmarks/figures/journal_summary.py benchmarks/results/specbench480-256-bf16.jsonl \\
-        --num-prompts 80 --out benchmarks/results/specbench480-256-bf16-partial.json
+    python benchmarks/figures/journal_summary.py benchmarks/results/specbench480-256-bf16-head5.jsonl \\
+        --num-prompts 80 --out benchmarks/results/specbench480-256-bf16-head5-partial.json
 
 Per category: the questions journaled (of ``--num-prompts``), each configuration's tokens/s and
 speedup over plain HF generate and over the same-path baseline (total tokens over total
