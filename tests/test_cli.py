@@ -309,6 +309,22 @@ def test_generate_with_head_directory_and_model_draft(capsys, lm, lm_dir, tmp_pa
         assert out.startswith(expected)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no GPU")
+def test_cuda_graphs_on_a_cpu_are_refused_in_one_line(capsys, lm_dir):
+    rc, _, err = run(capsys, "generate", "--model", lm_dir, "--draft", "ngram", "--cuda-graphs", "--device", "cpu",
+                     "--prompt", "Once upon a time", "--max-new-tokens", "4")
+    assert rc == 2
+    assert "--cuda-graphs needs the model on a CUDA GPU" in error_line(err)
+
+
+def test_capture_has_no_cuda_graphs_flag(capsys):  # it runs the target alone: the flag would do nothing
+    argv = ["capture", "--data", "gsm8k-train", "--out", "x"]
+    assert cli.build_parser().parse_args(argv).data
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(argv + ["--cuda-graphs"])
+    assert "unrecognized arguments: --cuda-graphs" in capsys.readouterr().err
+
+
 def test_generate_vocabulary_mismatch(capsys, lm_dir, tmp_path):
     from treespec.drafters import EagleHead
 

@@ -15,7 +15,9 @@ import treespec
 from tiny import tiny_model
 from treespec.attention import flex_problem
 from treespec.divergence import NEAR_TIE_TOLERANCE, classify_divergence, fp32_reference
-from treespec.drafters import ModelDrafter, NgramDrafter
+from treespec.drafters import Eagle3Drafter, HybridDrafter, ModelDrafter, NgramDrafter
+from treespec.drafters.base import DraftStart
+from treespec.drafters.eagle import EagleHead
 
 pytestmark = [
     pytest.mark.cuda,
@@ -80,3 +82,51 @@ def test_processors_on_gpu_greedy_and_sampled():
     kw = dict(max_new_tokens=16, temperature=0.8, top_p=0.9, repetition_penalty=1.2, seed=[3, 4, 5])
     a = treespec.generate(model, draft, "cpu", PROMPTS, **kw).sequences
     assert a == treespec.generate(model, draft, "chain-3", PROMPTS, **kw).sequences  # a seed fixes the output
+
+
+# ---- the EAGLE head's passes replayed from CUDA graphs (treespec.drafters.graphs) -------------
+
+
+def gpu_eagle(seed: int, **kw) -> tuple:
+    """A GPU target and a freshly initialised EAGLE-3 head for it (random drafts: what the
+    graphs must reproduce is the head's arithmetic, not good guesses)."""
+    model = gpu_model("llama", seed, layers=8).to("cuda")  # EAGLE-3 reads layers 2, 4 and 5
+    torch.manual_seed(seed)
+    return model, Eagle3Drafter(EagleHead.for_target(model, eagle3=True).eval(), **kw)
+
+
+@pytest.mark.parametrize("tree", ["chain-3", "cpu", "eagle2"])
+def test_cuda_graph_drafter_greedy_equals_hf_generate(tree):
+    model, head = gpu_eagle(3, cuda_graphs=True)
+    for draft in (head, HybridDrafter(head)):
+        for p in PROMPTS:  # graphs serve one request at a time
+            out = treespec.generate(model, draft, tree, [p], max_new_tokens=24)
+            assert out.sequences == [hf_greedy(model, p, 24)]
+
+
+def test_cuda_graphs_replay_the_eager_static_passes():
+    """The same static passes, captured and replayed or run eagerly, draft the same trees bit
+    for bit (the same kernels), one graph per pass shape, every shape captured on first use."""
+    model, drafter = gpu_eagle(4)
+    prompt = list(range(3, 40))
+    with torch.no_grad():  # EAGLE-3 features: the states entering three target layers
+        hs = model(torch.tensor([prompt], device="cuda"), output_hidden_states=True).hidden_states
+    feats = torch.cat([hs[i][0] for i in drafter.features_for(model)], -1)
+    cfg = treespec.TreeConfig.preset("eagle2")
+    n = 20
+    sessions = [drafter.start(model, DraftStart([prompt[:n]], [prompt[n]], [feats[:n]], 24, cfg)) for _ in range(2)]
+    for s, capture in zip(sessions, (False, True)):
+        s.use_static_passes(capture=capture)
+    pos = n
+    for commit in (1, 3, 2, 1, 4):
+        trees = [s.propose([0], [prompt[pos]], [cfg.depth]) for s in sessions]
+        assert torch.equal(trees[0][0].tokens, trees[1][0].tokens)
+        assert torch.equal(trees[0][0].parents, trees[1][0].parents)
+        assert torch.equal(trees[0][0].scores, trees[1][0].scores)
+        for s in sessions:
+            s.commit([0], [prompt[pos + 1: pos + 1 + commit]], [feats[pos: pos + commit]])
+        pos += commit
+        assert torch.equal(sessions[0].root_logp[0], sessions[1].root_logp[0])
+    graphs = sessions[1].static.passes
+    assert graphs and all(p.graph is not None for p in graphs.values())
+    assert set(graphs) == set(sessions[0].static.passes)  # one per shape: levels (top_k) and commit sizes

@@ -749,3 +749,135 @@ def test_lean_single_request_pass_drafts_the_general_trees(ckpts, kind, dtype, s
             s.commit([0], [full[pos + 1: pos + 1 + commit]], [feats[pos: pos + commit]])
         pos += commit
         assert torch.equal(sessions[0].root_logp[0], sessions[1].root_logp[0])
+
+
+# ---- static head passes (the shapes CUDA graphs capture) -----------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**16), data=st.data())
+def test_static_passes_draft_the_lean_trees(ckpts, kind, seed, data):
+    """The static passes (:mod:`treespec.drafters.graphs`, run eagerly here: capturing needs
+    CUDA) attend over the request's whole row with the keys past the pass masked out, and read
+    their inputs from fixed buffers. Masked keys add exact zeros, so in fp32 they draft the
+    lean pass's trees: the same tokens and parents, scores and root log-probabilities within
+    rounding (the attention kernel sums a longer row in another order: about 1e-7 apart here),
+    through proposals, multi-token commits and a random tree config. A wrong mask, slot or
+    position moves the scores by far more (each fails this test)."""
+    model = target(kind, peak=4.0)
+    drafter = treespec.load_draft(ckpts(kind)[0], model)
+    cfg = data.draw(dynamic_configs(max_top_k=4, max_nodes=16))
+    g = torch.Generator().manual_seed(seed)
+    full = torch.randint(0, V, (40,), generator=g).tolist()
+    n = data.draw(st.integers(1, 12))
+    feats = hf_features(model, full, drafter.features_for(model))
+    sessions = [drafter.start(model, DraftStart([full[:n]], [full[n]], [feats[:n]], 24, cfg)) for _ in range(2)]
+    sessions[1].use_static_passes(capture=False)
+    calls = []
+    run = sessions[1].static.run
+    sessions[1].static.run = lambda *a: calls.append(a[3].shape) or run(*a)
+    pos = n
+    for commit in data.draw(st.lists(st.integers(1, 4), min_size=1, max_size=4)):
+        trees = [s.propose([0], [full[pos]], [cfg.depth]) for s in sessions]
+        assert torch.equal(trees[0][0].tokens, trees[1][0].tokens)
+        assert torch.equal(trees[0][0].parents, trees[1][0].parents)
+        torch.testing.assert_close(trees[0][0].scores, trees[1][0].scores, atol=1e-5, rtol=0)
+        for s in sessions:
+            s.commit([0], [full[pos + 1: pos + 1 + commit]], [feats[pos: pos + commit]])
+        pos += commit
+        torch.testing.assert_close(sessions[0].root_logp[0], sessions[1].root_logp[0], atol=1e-5, rtol=0)
+    assert calls  # the commits (and levels past the first) went through the static passes
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**16), data=st.data())
+def test_a_static_pass_computes_the_lean_pass(ckpts, kind, dtype, seed, data):
+    """One pass of a random tree level (k entries seeing a random ancestor-closed part of m
+    tree entries) after a random prefix, static and lean on the same cache: the same states
+    and log-probabilities up to the attention's summation order, which in bf16 may round an
+    element of the attention's output to the neighbouring bf16 value (hence bf16's
+    tolerances; trees are compared in fp32 above)."""
+    model = copy.deepcopy(target(kind, peak=4.0)).to(dtype)
+    drafter = treespec.load_draft(ckpts(kind)[0], model)
+    drafter.head.to(dtype)
+    g = torch.Generator().manual_seed(seed)
+    full = torch.randint(0, V, (40,), generator=g).tolist()
+    n = data.draw(st.integers(1, 20))
+    feats = hf_features(model, full, drafter.features_for(model)).to(dtype)
+    s = drafter.start(model, DraftStart([full[:n]], [full[n]], [feats[:n]], 24, TreeConfig.chain(4)))
+    s.use_static_passes(capture=False)
+    k, earlier = data.draw(st.integers(1, 4)), data.draw(st.integers(0, 8))
+    m = earlier + k
+    mask = torch.zeros(k, m, dtype=torch.bool)
+    mask[:, earlier:] = torch.eye(k, dtype=torch.bool)
+    mask[:, :earlier] = torch.rand(k, earlier, generator=g) < 0.5
+    tokens = torch.randint(0, V, (k,), generator=g)
+    hidden = torch.randn(k, H, generator=g).to(dtype)
+    positions = n - 1 + torch.randint(1, 6, (k,), generator=g)
+    static_states, static_logp = s.static.run(tokens, hidden, positions, mask, s.cache.seq_lens[s.seq[0]])
+    static = s.static
+    s.static = None  # the lean pass, writing the same K/V to the same slots
+    lean_states = s._run_one(0, tokens, hidden, positions, mask)
+    lean_logp = drafter.head.logits(lean_states).float().log_softmax(-1)
+    s.static = static
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(static_states.float(), lean_states.float(), **tol)
+    torch.testing.assert_close(static_logp, lean_logp, **({"atol": 1e-5, "rtol": 0} if dtype == torch.float32
+                                                          else {"atol": 5e-2, "rtol": 0}))
+
+
+def test_static_passes_refuse_ids_of_another_dtype(ckpts):
+    """The buffers a graph replays are int64: int32 ids (or float positions) are refused with a
+    TypeError, not reinterpreted."""
+    model = target("eagle3")
+    drafter = treespec.load_draft(ckpts("eagle3")[0], model)
+    s = drafter.start(model, DraftStart([[1, 2, 3]], [4], [hf_features(model, [1, 2, 3, 4],
+                                                                        drafter.features_for(model))[:3]], 8,
+                                        TreeConfig.chain(3)))
+    s.use_static_passes(capture=False)
+    hidden = torch.zeros(2, H)
+    mask = torch.ones(2, 2, dtype=torch.bool).tril()
+    with pytest.raises(TypeError, match="tokens must be int64"):
+        s.static.run(torch.tensor([1, 2], dtype=torch.int32), hidden, torch.tensor([3, 4]), mask, 3)
+    with pytest.raises(TypeError, match="positions must be int64"):
+        s.static.run(torch.tensor([1, 2]), hidden, torch.tensor([3.0, 4.0]), mask, 3)
+    states, logp = s.static.run(torch.tensor([1, 2]), hidden, torch.tensor([3, 4]), mask, 3)
+    assert states.shape == (2, H) and logp.shape == (2, VD)
+
+
+def test_cuda_graphs_need_a_cuda_head(ckpts):
+    model = target("eagle3")
+    drafter = treespec.load_draft(ckpts("eagle3")[0], model, cuda_graphs=True)
+    start = DraftStart([[1, 2, 3]], [4], [hf_features(model, [1, 2, 3, 4], drafter.features_for(model))[:3]], 8,
+                       TreeConfig.chain(3))
+    with pytest.raises(ValueError, match="needs the draft head on a CUDA device"):
+        drafter.start(model, start)
+
+
+@pytest.mark.parametrize("tree", ["chain-3", "cpu", "eagle2"])
+def test_static_passes_through_the_engine_equal_hf_generate(ckpts, monkeypatch, tree):
+    """Every single-request session runs on static passes (as ``cuda_graphs=True`` does on a
+    GPU, here uncaptured): static, dynamic and chain trees, the head alone and with prompt
+    lookup grafted on, give HF generate's greedy output, and the passes ran."""
+    from treespec.drafters import HybridDrafter
+    from treespec.drafters.eagle import EagleSession
+
+    model = target("eagle3")
+    drafter = treespec.load_draft(ckpts("eagle3")[0], model)
+    sessions = []
+    opened = EagleSession.__init__
+
+    def with_static(self, *a):
+        opened(self, *a)
+        self.use_static_passes(capture=False)
+        sessions.append(self)
+
+    monkeypatch.setattr(EagleSession, "__init__", with_static)
+    for draft in (drafter, HybridDrafter(drafter)):
+        for p in ([1, 5, 9, 3, 7, 5, 9, 3, 7], list(range(20, 45))):
+            out = treespec.generate(model, draft, tree, [p], max_new_tokens=20)
+            assert out.sequences == [hf_greedy(model, p, 20)]
+    assert sessions and all(s.static.passes for s in sessions)

@@ -66,6 +66,8 @@ def test_rehearsal_on_a_cpu_runs_every_step(tmp_path):
     draft = json.loads((tmp_path / "draft_step.json").read_text())
     assert draft["ok"] and [r["k"] for r in draft["rows"]] == [1, 4, 8]
     assert all(r["eager_ms"] > 0 and "graph_ms" not in r for r in draft["rows"])  # a CPU has no graphs
+    assert [r["variant"] for r in draft["session"]] == ["eager", "static"]  # treespec's drafter, no graphs here
+    assert all(r["propose_ms"] > 0 and r["commit_ms"] > 0 and r["nodes"] > 1 for r in draft["session"])
     assert "skipped" in (tmp_path / "cuda-tests.txt").read_text()
 
 

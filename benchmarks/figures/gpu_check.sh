@@ -9,7 +9,9 @@
 #      bf16: one forward of a random tree of q = 1 .. 128 tokens after 1,536 cached tokens,
 #      median ms per size for each backend (benchmarks/micro/verify_cost_gpu.py);
 #   3. the drafter's step: one tree level of an EAGLE-3 head of Llama-3.1-8B's shape, eager
-#      against a CUDA graph of the same level, k = 1, 4, 8 (benchmarks/micro/draft_step_gpu.py);
+#      against a CUDA graph of the same level, k = 1, 4, 8; then treespec's own EagleSession
+#      with that head drafting eagle2 trees eager, on static passes, and replayed from CUDA
+#      graphs (cuda_graphs=True), whose trees must equal the static passes' (benchmarks/micro/draft_step_gpu.py);
 #   4. the CUDA tests: flex (and FlashInfer) tree logits against the torch backend, greedy
 #      equality with HF generate on the GPU through every backend (tests/test_backends.py,
 #      tests/test_cuda.py).

@@ -11,8 +11,14 @@ Eager runs the level's operations one by one as treespec's EagleSession does; th
 captures the same level once per shape (static buffers for tokens, states, positions, mask
 and cache) and replays it. The graph's outputs are compared with eager's on the same inputs
 (the same kernels, so they should agree to the last bit; the script exits 1 when the top-k
-ids differ). This measures the step only: treespec's drafter does not capture graphs yet
-(issue 29); the figure says what capturing would save on this shape.
+ids differ).
+
+Then treespec's own drafter with the same head (``--session-steps``, 0 to skip): an EAGLE-3
+session after the same prefix drafting ``--tree`` trees and committing 3 tokens a step, three
+ways: ``eager`` (the session's default pass on a GPU), ``static`` (the fixed-shape passes of
+treespec.drafters.graphs, uncaptured) and ``graphs`` (``cuda_graphs=True``: the same passes
+replayed from CUDA graphs); median ms per proposal and per commit, the first step apart (it
+captures). The graphs' trees must equal the static passes' bit for bit (exit 1 otherwise).
 
 ``--shape tiny --device cpu`` runs the eager half in seconds on a CPU (the graph needs CUDA).
 """
@@ -21,7 +27,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,7 +39,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.timing import command, median_ms  # noqa: E402
-from treespec.drafters.eagle import EagleHead, HeadConfig  # noqa: E402
+from treespec import TreeConfig  # noqa: E402
+from treespec.drafters.base import DraftStart  # noqa: E402
+from treespec.drafters.eagle import Eagle3Drafter, EagleHead, HeadConfig  # noqa: E402
 from treespec.machine import machine_info  # noqa: E402
 
 SHAPES = {
@@ -103,6 +113,49 @@ class Level:
         return self.top_ids, self.top_logp, self.states
 
 
+def session_rows(head: EagleHead, prefix: int, tree: str, steps: int, cuda: bool) -> tuple[list[dict], bool]:
+    """treespec's EagleSession drafting ``steps`` trees after ``prefix`` random entries, per
+    variant (eager, static, graphs where CUDA): median ms per proposal and per commit."""
+    c, dev = head.config, head.d2t.device
+    dtype = next(head.parameters()).dtype
+    cfg = TreeConfig.preset(tree)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, c.vocab_size, (prefix + 4 * steps + 1,), generator=g).tolist()
+    features = (0.5 * torch.randn(prefix + 4 * steps, 3 * c.target_hidden_size, generator=g)).to(dev, dtype)
+    rows, trees, ok = [], {}, True
+    for variant in ("eager", "static", "graphs") if cuda else ("eager", "static"):
+        drafter = Eagle3Drafter(head, cuda_graphs=variant == "graphs")
+        session = drafter.start(None, DraftStart([tokens[:prefix]], [tokens[prefix]], [features[:prefix]],
+                                                 4 * steps + 8, cfg))
+        if variant == "static":
+            session.use_static_passes(capture=False)
+        propose, commit, drafted, pos = [], [], [], prefix
+        for _ in range(steps):
+            sync()
+            t0 = time.perf_counter()
+            tree_ = session.propose([0], [tokens[pos]], [cfg.depth])[0]
+            sync()
+            t1 = time.perf_counter()
+            session.commit([0], [tokens[pos + 1: pos + 4]], [features[pos: pos + 3]])
+            sync()
+            t2 = time.perf_counter()
+            propose.append(1000 * (t1 - t0))
+            commit.append(1000 * (t2 - t1))
+            drafted.append(tree_)
+            pos += 3
+        trees[variant] = drafted
+        rows.append({"tree": tree, "variant": variant, "steps": steps, "first_step_ms": propose[0] + commit[0],
+                     "propose_ms": statistics.median(propose[1:]), "commit_ms": statistics.median(commit[1:]),
+                     "nodes": statistics.mean(t.num_nodes for t in drafted)})
+    if "graphs" in trees:
+        same = all(torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+                   and torch.equal(a.scores, b.scores) for a, b in zip(trees["static"], trees["graphs"]))
+        rows[-1]["trees_equal_static"] = same
+        ok &= same
+    return rows, ok
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b")
@@ -112,6 +165,8 @@ def main(argv=None) -> int:
     p.add_argument("--k", default="1,4,8", help="tokens per level (top-k), comma-separated")
     p.add_argument("--depth", type=int, default=6, help="levels per tree (the per-tree figure)")
     p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--tree", default="eagle2", help="the session part's tree preset")
+    p.add_argument("--session-steps", type=int, default=30, help="the session part's steps (0: skip it)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     cuda = torch.device(args.device).type == "cuda"
@@ -149,6 +204,11 @@ def main(argv=None) -> int:
                 row["graph_tree_ms"] = args.depth * row["graph_ms"]
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
+    result["session"] = []
+    if args.session_steps:
+        with torch.inference_mode():
+            result["session"], session_ok = session_rows(head, args.prefix, args.tree, args.session_steps, cuda)
+        ok &= session_ok
     result["ok"] = ok
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
@@ -156,7 +216,16 @@ def main(argv=None) -> int:
     print("k     eager ms/level   graph ms/level   speedup")
     for r in result["rows"]:
         print(f"{r['k']:<6}{r['eager_ms']:15.3f}{r.get('graph_ms', float('nan')):17.3f}{r.get('speedup', float('nan')):10.2f}")
-    print("graph check: " + ("top-k ids equal eager's" if ok else "FAILED: top-k ids differ from eager's"))
+    if result["session"]:
+        print(f"treespec's EagleSession, {args.tree} trees, 3 tokens committed a step, median of "
+              f"{args.session_steps - 1} steps after the first")
+        print("variant   propose ms   commit ms   first step ms   nodes")
+        for r in result["session"]:
+            print(f"{r['variant']:<10}{r['propose_ms']:10.2f}{r['commit_ms']:12.2f}{r['first_step_ms']:16.1f}"
+                  f"{r['nodes']:8.1f}")
+        if "trees_equal_static" in result["session"][-1]:
+            print("graphs' trees equal the static passes': " + str(result["session"][-1]["trees_equal_static"]))
+    print("graph check: " + ("passed" if ok else "FAILED (top-k ids or trees differ)"))
     return 0 if ok else 1
 
 

@@ -35,7 +35,7 @@ def add_arguments(p):
                         "reused: a shard they answer whole is rebuilt from them, not decoded (a capture of a subset "
                         "or another mix of data captured before)")
     add_generation_options(p)
-    add_runtime(p)
+    add_runtime(p, graphs=False)  # the target alone: no drafter
 
 
 def run(args):

@@ -97,15 +97,20 @@ def generation_options(args) -> dict:
     return {k: getattr(args, flag) for k, flag in fields.items() if getattr(args, flag, None) is not None}
 
 
-def add_runtime(p, *, device: str = "auto", dtype: str = "auto", pack: bool | None = None):
-    """--backend, --threads, --device, --dtype, --pack. ``tree show`` passes cpu, float32 and
-    no packing: what it always drew with, so its defaults stay while the flags are honoured."""
+def add_runtime(p, *, device: str = "auto", dtype: str = "auto", pack: bool | None = None, graphs: bool = True):
+    """--backend, --cuda-graphs (``graphs``: where a drafter runs), --threads, --device, --dtype,
+    --pack. ``tree show`` passes cpu, float32 and no packing: what it always drew with, so its
+    defaults stay while the flags are honoured."""
     def here(value, usual):
         return "" if value == usual else f" (default here: {value})"
 
     p.add_argument("--backend", choices=["auto", "torch", "flex", "flashinfer"], default="auto",
                    help="tree attention backend (auto: FlashInfer on CUDA when installed, else torch; flex: "
                         "PyTorch's flex_attention, compiled with triton on CUDA, nothing to install)")
+    if graphs:
+        p.add_argument("--cuda-graphs", action="store_true",
+                       help="on a CUDA GPU, replay the EAGLE head's passes from CUDA graphs (one request at a time; "
+                            "captured on first use per shape; other drafters run eagerly)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: one per physical core available; on a machine whose cores "
                         "other processes keep busy, fewer is much faster, often 1: see README, Threads)")

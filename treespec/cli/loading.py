@@ -91,15 +91,16 @@ def load_target(args):
     return (model.to(where) if where != "cpu" else model), tok
 
 
-def drafter(spec: str, model, tokenizer, backend: str):
-    """``(Drafter, short name)`` for a draft spec, checked against ``model``."""
+def drafter(spec: str, model, tokenizer, backend: str, cuda_graphs: bool = False):
+    """``(Drafter, short name)`` for a draft spec, checked against ``model``; ``cuda_graphs``
+    applies to an EAGLE head (other drafters have no graphs to capture)."""
     from ..drafters import ModelDrafter, NgramDrafter, load_draft
 
     check_draft_spec(spec)
     if spec.endswith(LOOKUP_SUFFIX):
         from ..drafters import HybridDrafter
 
-        primary, name = drafter(spec[: -len(LOOKUP_SUFFIX)], model, tokenizer, backend)
+        primary, name = drafter(spec[: -len(LOOKUP_SUFFIX)], model, tokenizer, backend, cuda_graphs)
         try:
             return HybridDrafter(primary), name + LOOKUP_SUFFIX
         except ValueError as e:
@@ -128,7 +129,7 @@ def drafter(spec: str, model, tokenizer, backend: str):
     else:
         name = spec if "/" not in spec else Path(spec).name
         try:
-            d = load_draft(spec, model, attention_backend=backend)
+            d = load_draft(spec, model, attention_backend=backend, cuda_graphs=cuda_graphs)
             d.check_compatible(model)
         except ValueError as e:  # a head made for another model (vocabulary, hidden size)
             raise UserError(f"{e}: --draft {spec} is an EAGLE head for another model. Use --draft ngram (prompt "
@@ -208,6 +209,9 @@ def load(args, drafts: Iterable[str] = (), prompts: Callable | None = None, keep
     if busy:
         log.warning(busy)
     out = Loaded(model, tok, prompts(tok) if prompts is not None else None)
-    out.drafters = {d: drafter(d, model, tok, args.backend) for d in dict.fromkeys(drafts)}
+    graphs = getattr(args, "cuda_graphs", False)
+    if graphs and next(model.parameters()).device.type != "cuda":
+        raise UserError("--cuda-graphs needs the model on a CUDA GPU (--device cuda)")
+    out.drafters = {d: drafter(d, model, tok, args.backend, graphs) for d in dict.fromkeys(drafts)}
     out.fast, out.packing = fast_path(args, model, [d for d, _ in out.drafters.values()], keep=keep_packed)
     return out

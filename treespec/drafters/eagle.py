@@ -41,6 +41,7 @@ from ..kv_cache import PagedKVCache
 from ..runner import FINAL_NORM
 from ..warn import warn
 from .base import DraftSession, DraftStart, Drafter
+from .graphs import StaticPasses
 
 __all__ = ["EagleHead", "EagleDrafter", "Eagle3Drafter", "load_draft", "eagle3_feature_layers"]
 
@@ -394,12 +395,19 @@ def _check_fit(c: HeadConfig, state: dict, target_model) -> None:
 
 
 class EagleDrafter(Drafter):
-    """An EAGLE-1/2 head: ``EagleDrafter.from_pretrained(path, target_model)``."""
+    """An EAGLE-1/2 head: ``EagleDrafter.from_pretrained(path, target_model)``.
 
-    def __init__(self, head: EagleHead, attention_backend: str = "auto", page_size: int = 16):
+    ``cuda_graphs``: on a CUDA device, run a single request's head passes (tree levels, commits)
+    on fixed shapes and replay each shape from a CUDA graph captured on its first use
+    (:mod:`treespec.drafters.graphs`); batches of several requests run eagerly.
+    """
+
+    def __init__(self, head: EagleHead, attention_backend: str = "auto", page_size: int = 16,
+                 cuda_graphs: bool = False):
         self.head = head
         self.attention_backend = attention_backend
         self.page_size = page_size
+        self.cuda_graphs = cuda_graphs
 
     @classmethod
     def from_pretrained(cls, path, target_model, **kw):
@@ -474,11 +482,20 @@ class EagleSession(DraftSession):
             ids = torch.arange(c.draft_vocab_size, device=head.d2t.device)
             self.to_draft = torch.full((c.vocab_size,), -1, dtype=torch.int64)
             self.to_draft[head.draft_to_target(ids).cpu()] = ids.cpu()
-        room = ctx.tree_cfg.depth * ctx.tree_cfg.top_k + ctx.tree_cfg.num_nodes + 2
+        self.room = room = ctx.tree_cfg.depth * ctx.tree_cfg.top_k + ctx.tree_cfg.num_nodes + 2
         longest = max(len(pr) for pr in ctx.prompts) + ctx.max_new_tokens + room
         self.cache, self.seq = PagedKVCache.with_rows(1, c.num_kv_heads, c.head_dim, len(ctx.prompts), longest,
                                                       drafter.page_size, kv_dtype(self.dtype, self.device),
                                                       self.device)
+        self.static: StaticPasses | None = None
+        if drafter.cuda_graphs:
+            if self.device.type != "cuda":
+                raise ValueError(f"cuda_graphs=True needs the draft head on a CUDA device; it is on {self.device}")
+            if len(ctx.prompts) == 1:
+                self.use_static_passes(capture=True)
+            else:
+                log.info("CUDA graphs: %d requests drafted together run eagerly (graphs serve one)",
+                         len(ctx.prompts))
         self.root_logp: dict[int, torch.Tensor] = {}
         self.root_state: dict[int, torch.Tensor] = {}
         # One request on a CPU: the lean pass of _run_one (no batch plan; RoPE from a table).
@@ -498,13 +515,26 @@ class EagleSession(DraftSession):
             features.append(torch.cat([hit.feature[None].to(f), f]))
         self._extend(list(range(len(ctx.prompts))), tokens, features)
 
+    def use_static_passes(self, capture: bool) -> None:
+        """Run the one request's head passes on fixed shapes (:class:`StaticPasses` over its row of
+        the cache), each shape captured in a CUDA graph with ``capture``."""
+        first, stride, (row,) = self.cache.block_rows([self.seq[0]], 0)
+        start = first + row * stride
+        keys, values = self.cache.flat(0)
+        self.static = StaticPasses(self.head, keys[start: start + stride], values[start: start + stride], capture,
+                                   max_entries=self.room)
+
     @torch.inference_mode()
     def _run(self, requests, tokens, hidden, positions, masks, extra_keys=None):
-        """Head pass over each request's new entries; returns per-request outputs."""
-        if self.lean and len(requests) == 1:
+        """Head pass over each request's new entries; returns the per-request output states
+        and, where the pass computed them (the static passes), their log-probabilities, else
+        None."""
+        if (self.lean or self.static is not None) and len(requests) == 1:
             out = self._run_one(requests[0], tokens[0], hidden[0], positions[0], masks[0])
+            if isinstance(out, tuple):
+                return [out[0]], [out[1]]
             if out is not None:
-                return [out]
+                return [out], None
         seqs = [self.seq[r] for r in requests]
         prefix = [self.cache.seq_lens[s] for s in seqs]
         kpos = [p if extra_keys is None else torch.cat([extra_keys[i], p]) for i, p in enumerate(positions)]
@@ -516,13 +546,14 @@ class EagleSession(DraftSession):
 
         toks = torch.cat(tokens).to(self.device)
         h = self.head(toks, torch.cat(hidden).to(self.dtype), torch.cat(positions).to(self.device), attend)
-        return list(torch.split(h, [t.numel() for t in tokens]))
+        return list(torch.split(h, [t.numel() for t in tokens])), None
 
     def _run_one(self, request, tokens, hidden, positions, mask):
         """:meth:`_run` for one request whose entries lie in its row of the cache, with the
         torch backend's arithmetic (fp32 SDPA over the row's keys) and none of its batch
         planning, which costs more than the head's attention itself; None when the row cannot
-        hold them (the general pass then runs)."""
+        hold them (the general pass then runs). With static passes, ``(states, log-probs)``
+        from them where the pass fits."""
         cache, seq = self.cache, self.seq[request]
         L = cache.seq_lens[seq]
         n, m = mask.shape
@@ -531,6 +562,10 @@ class EagleSession(DraftSession):
         if block is None or n > m:
             return None
         cache.reserve(seq, kv)
+        if self.static is not None:
+            out = self.static.run(tokens.to(self.device), hidden, positions.to(self.device), mask, L)
+            if out is not None or not self.lean:
+                return out
         first, stride, (row,) = block
         start = first + row * stride
         full = torch.ones(n, kv, dtype=torch.bool)
@@ -565,15 +600,16 @@ class EagleSession(DraftSession):
             hid = [self.head.project(f.to(self.device, self.dtype)) for f in features]
         pos = [torch.arange(self.cache.seq_lens[self.seq[r]], self.cache.seq_lens[self.seq[r]] + len(t))
                for r, t in zip(requests, tokens)]
-        out = self._run(requests, toks, hid, pos, [causal_mask(len(t)) for t in tokens])
+        out, logps = self._run(requests, toks, hid, pos, [causal_mask(len(t)) for t in tokens])
         with torch.inference_mode():
-            for r, t, h in zip(requests, tokens, out):
+            for i, (r, t, h) in enumerate(zip(requests, tokens, out)):
                 s = self.seq[r]
                 L = self.cache.seq_lens[s]
                 self.cache.commit(s, torch.arange(L, L + len(t)))
                 last = h[-1:]
                 self.root_state[r] = last
-                self.root_logp[r] = self.head.logits(last)[0].float().log_softmax(-1)
+                self.root_logp[r] = (logps[i][-1] if logps is not None
+                                     else self.head.logits(last)[0].float().log_softmax(-1))
 
     def propose(self, requests, roots, max_depth):
         requests = list(requests)
@@ -587,12 +623,14 @@ class EagleSession(DraftSession):
             k = f.tokens.shape[1]
             pos = torch.full((k,), f.depth, dtype=torch.int64)
             tok = head.draft_to_target(f.tokens.to(self.device))
-            out = self._run(
+            out, logps = self._run(
                 requests, list(tok), list(f.parent_state), [b - 1 + pos for b in base],
                 list(f.ancestors.cpu()), extra_keys=[b - 1 + tree_pos for b in base],
             )
             tree_pos = torch.cat([tree_pos, pos])
             h = torch.stack(out)  # [B, k, H]
+            if logps is not None:
+                return torch.stack(logps), h
             with torch.inference_mode():
                 logp = head.logits(h).float().log_softmax(-1)
             return logp, h

@@ -1,0 +1,163 @@
+"""One request's EAGLE head passes on fixed shapes, captured in CUDA graphs.
+
+An EAGLE session's head pass attends over the keys its request holds so far, so each call has
+its own shapes and launches its few dozen small kernels one by one from Python. On a GPU that
+launching is the pass's cost: one tree level of an EAGLE-3 head of Llama-3.1-8B's shape took
+1.5 ms eager and 0.4 ms replayed from a CUDA graph on an H200 (docs/benchmarks.md, "The first
+run"), and the drafter took 40-65% of a treespec step there end to end.
+
+:class:`StaticPasses` makes every pass of ``n`` entries one shape: it always attends over the
+request's whole row of the draft cache (the row's capacity C, keys past the pass masked out)
+and reads its inputs from buffers that live as long as the session, so the pass of ``n``
+entries is captured once (:class:`torch.cuda.CUDAGraph`) and replayed for every later pass of
+``n`` entries: a tree level (n = the frontier's width), the commit of the accepted tokens (n =
+their count). The arithmetic is the session's lean pass (``EagleSession._run_one``): RoPE from
+the head's table, K/V written into the row, fp32 SDPA, then the head's logits and
+log-softmax, which the graph holds too. Masked-out keys add exact zeros to the softmax, so the
+states equal the lean pass's up to the order the attention kernel sums in.
+
+Without ``capture`` the same passes run eagerly on the same buffers (on a CPU, where the tests
+hold them against the lean pass; capturing needs CUDA).
+
+Letters: n entries of a pass, m tree entries it sees (the pass's own and the earlier levels'),
+L cached entries before them, C the row's capacity, H hidden size, Vd draft vocabulary.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+__all__ = ["StaticPasses"]
+
+
+class StaticPasses:
+    """Fixed-shape head passes over one request's row of an EAGLE session's cache.
+
+    Args:
+        head:        the session's :class:`~treespec.drafters.eagle.EagleHead`.
+        keys:        ``[C, Hkv, D]``, the request's row of the draft cache's keys (a view:
+                     the passes write into it); ``values`` likewise.
+        capture:     capture each pass shape in a CUDA graph on its first use (CUDA only).
+        max_entries: passes of more entries run elsewhere (a prompt's prefill: one shape per
+                     prompt length would be captured once and never replayed).
+    """
+
+    def __init__(self, head, keys: torch.Tensor, values: torch.Tensor, capture: bool, max_entries: int):
+        if capture and keys.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need the draft head on a CUDA device; it is on {keys.device}")
+        self.head, self.keys, self.values = head, keys, values
+        self.capacity = keys.shape[0]
+        self.rope = head.rope_table(self.capacity)  # positions are below L + m <= C
+        self.capture, self.max_entries = capture, max_entries
+        self.pool = torch.cuda.graph_pool_handle() if capture else None  # one memory pool for all shapes
+        self.passes: dict[int, _Pass] = {}
+
+    def run(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+            cached: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One head pass; ``(states [n, H], log-probs [n, Vd] fp32)``, or None when the pass does
+        not fit (more than ``max_entries`` entries, or past the row).
+
+        Args:
+            tokens:    int64 ``[n]`` (any other dtype is refused: the buffers are int64).
+            hidden:    ``[n, H]`` input states.
+            positions: int64 ``[n]`` RoPE positions.
+            mask:      bool ``[n, m]``: which of the m tree entries each new entry sees; the new
+                       entries are the last n, written at row slots ``cached + m - n ..``.
+            cached:    L, the row's entries every new entry sees in full.
+        """
+        n, m = mask.shape
+        if n > self.max_entries or n > m or cached + m > self.capacity:
+            return None
+        p = self.passes.get(n)
+        if p is None:
+            p = self.passes[n] = _Pass(self, n)
+        p.fill(tokens, hidden, positions, mask, cached)
+        p.launch()
+        # Clones: the next launch of this shape overwrites the graph's outputs in place.
+        return p.states.clone(), p.logp.clone()
+
+
+class _Pass:
+    """The static buffers of one pass shape (n entries) and, once captured, its graph."""
+
+    def __init__(self, owner: StaticPasses, n: int):
+        head, dev = owner.head, owner.keys.device
+        dtype = next(head.parameters()).dtype
+        self.owner, self.n = owner, n
+        self.tokens = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.hidden = torch.zeros(n, head.config.hidden_size, dtype=dtype, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.slots = torch.zeros(n, dtype=torch.int64, device=dev)  # row slots the pass's K/V go to
+        self.mask = torch.zeros(n, owner.capacity, dtype=torch.bool, device=dev)
+        self._mask_host = torch.zeros(n, owner.capacity, dtype=torch.bool)  # built here, copied over in one go
+        self.graph = None
+        self.states = self.logp = None
+
+    def fill(self, tokens, hidden, positions, mask, cached: int) -> None:
+        # A captured graph reads its buffers' bytes as their dtype: refuse what a caller might
+        # pass by mistake (vLLM's compiled drafter once drafted gibberish from int64 ids fed to
+        # int32 buffers, without a warning) rather than rely on a conversion.
+        for name, t in (("tokens", tokens), ("positions", positions)):
+            if t.dtype != torch.int64:
+                raise TypeError(f"static head pass: {name} must be int64 (the buffers it was built with), "
+                                f"got {t.dtype}")
+        if not hidden.is_floating_point() or mask.dtype != torch.bool:
+            raise TypeError(f"static head pass: hidden must be floating point and mask bool, got {hidden.dtype} "
+                            f"and {mask.dtype}")
+        n, m = mask.shape
+        kv = cached + m
+        self.tokens.copy_(tokens)
+        self.hidden.copy_(hidden)
+        self.positions.copy_(positions)
+        self.slots.copy_(torch.arange(kv - n, kv))
+        host = self._mask_host
+        host.zero_()
+        host[:, :cached] = True
+        host[:, cached:kv] = mask
+        self.mask.copy_(host)
+
+    @torch.inference_mode()
+    def launch(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+            return
+        if not self.owner.capture:
+            self._body()
+            return
+        # Warm up on a side stream (lazy initialisation, kernel choice), as torch.cuda.graphs
+        # asks, then capture; the passes' K/V writes are idempotent, so running twice is safe.
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._body()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.owner.pool):
+            self._body()
+        self.graph = graph
+        log.debug("captured the draft head's pass of %d entries in a CUDA graph", self.n)
+        graph.replay()
+
+    def _body(self) -> None:
+        owner, head = self.owner, self.owner.head
+        c = head.config
+        cos = owner.rope[0].index_select(0, self.positions)  # [n, D]
+        sin = owner.rope[1].index_select(0, self.positions)
+
+        def attend(q, k, v):  # q [n, Hq, D], k/v [n, Hkv, D]
+            owner.keys.index_copy_(0, self.slots, k.to(owner.keys.dtype))
+            owner.values.index_copy_(0, self.slots, v.to(owner.values.dtype))
+            keys = owner.keys.transpose(0, 1).to(torch.float32)[None]  # [1, Hkv, C, D]
+            values = owner.values.transpose(0, 1).to(torch.float32)[None]
+            out = F.scaled_dot_product_attention(q.to(torch.float32).transpose(0, 1)[None], keys, values,
+                                                 attn_mask=self.mask[None, None], scale=c.head_dim ** -0.5,
+                                                 enable_gqa=keys.shape[1] != q.shape[1])
+            return out[0].transpose(0, 1).to(q.dtype)
+
+        self.states = head(self.tokens, self.hidden, self.positions, attend, (cos, sin))
+        self.logp = head.logits(self.states).float().log_softmax(-1)
