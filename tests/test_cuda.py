@@ -18,6 +18,7 @@ from treespec.divergence import NEAR_TIE_TOLERANCE, classify_divergence, fp32_re
 from treespec.drafters import Eagle3Drafter, HybridDrafter, ModelDrafter, NgramDrafter
 from treespec.drafters.base import DraftStart
 from treespec.drafters.eagle import EagleHead
+from treespec.drafters.graphs import GraphedRow
 
 pytestmark = [
     pytest.mark.cuda,
@@ -97,11 +98,27 @@ def gpu_eagle(seed: int, **kw) -> tuple:
 
 @pytest.mark.parametrize("tree", ["chain-3", "cpu", "eagle2"])
 def test_cuda_graph_drafter_greedy_equals_hf_generate(tree):
-    model, head = gpu_eagle(3, cuda_graphs=True)
-    for draft in (head, HybridDrafter(head)):
+    """With ``cuda_graphs=True``: HF generate's greedy output, the head alone and with prompt
+    lookup; graphs captured by the first request replayed by the next ones (the drafter keeps
+    them); and the same acceptance, step for step, as the same passes run uncaptured (an empty
+    or stale graph would still give the target's output, but not these steps)."""
+    model, graphed = gpu_eagle(3, cuda_graphs=True)
+    steps = {}
+    for draft in (graphed, HybridDrafter(graphed)):
         for p in PROMPTS:  # graphs serve one request at a time
             out = treespec.generate(model, draft, tree, [p], max_new_tokens=24)
             assert out.sequences == [hf_greedy(model, p, 24)]
+            steps[type(draft).__name__, len(p)] = out.metrics.acceptance_counts
+    passes = graphed.graphed_row.passes.passes
+    assert passes and all(p.graph is not None for p in passes.values())
+    assert sum(p.replays for p in passes.values()) > 2 * len(passes)
+
+    _, uncaptured = gpu_eagle(3, cuda_graphs=True)
+    uncaptured.graphed_row = GraphedRow(capture=False)
+    for draft in (uncaptured, HybridDrafter(uncaptured)):
+        for p in PROMPTS:
+            out = treespec.generate(model, draft, tree, [p], max_new_tokens=24)
+            assert out.metrics.acceptance_counts == steps[type(draft).__name__, len(p)]
 
 
 def test_cuda_graphs_replay_the_eager_static_passes():
@@ -128,5 +145,21 @@ def test_cuda_graphs_replay_the_eager_static_passes():
         pos += commit
         assert torch.equal(sessions[0].root_logp[0], sessions[1].root_logp[0])
     graphs = sessions[1].static.passes
-    assert graphs and all(p.graph is not None for p in graphs.values())
+    assert graphs and all(p.graph is not None and p.replays for p in graphs.values())
     assert set(graphs) == set(sessions[0].static.passes)  # one per shape: levels (top_k) and commit sizes
+
+
+def test_cuda_graphs_are_recaptured_when_the_head_moves():
+    """A graph replays the addresses it captured: a head whose weights were replaced (here cast
+    to bf16 and back) gets a new row and new graphs, and still the target's output."""
+    model, drafter = gpu_eagle(5, cuda_graphs=True)
+    p = PROMPTS[2]
+    treespec.generate(model, drafter, "eagle2", [p], max_new_tokens=12)
+    first = drafter.graphed_row.passes
+    treespec.generate(model, drafter, "eagle2", [p], max_new_tokens=12)
+    assert drafter.graphed_row.passes is first  # the same weights: the graphs serve the next request
+    kept = [t.data for t in drafter.head.parameters()]  # held, so the new weights land elsewhere
+    drafter.head.to(torch.bfloat16).to(torch.float32)
+    out = treespec.generate(model, drafter, "eagle2", [p], max_new_tokens=12)
+    assert drafter.graphed_row.passes is not first and kept
+    assert out.sequences == [hf_greedy(model, p, 12)]

@@ -858,26 +858,48 @@ def test_cuda_graphs_need_a_cuda_head(ckpts):
 
 
 @pytest.mark.parametrize("tree", ["chain-3", "cpu", "eagle2"])
-def test_static_passes_through_the_engine_equal_hf_generate(ckpts, monkeypatch, tree):
-    """Every single-request session runs on static passes (as ``cuda_graphs=True`` does on a
-    GPU, here uncaptured): static, dynamic and chain trees, the head alone and with prompt
-    lookup grafted on, give HF generate's greedy output, and the passes ran."""
+def test_graphed_row_through_the_engine_equals_hf_generate(ckpts, tree):
+    """``cuda_graphs=True`` with the drafter's row uncaptured (a CPU cannot capture): static,
+    dynamic and chain trees, the head alone and with prompt lookup grafted on, give HF
+    generate's greedy output; the passes ran and each request found the row (and its passes)
+    the previous one left, emptied, until a longer request needed a longer row."""
     from treespec.drafters import HybridDrafter
-    from treespec.drafters.eagle import EagleSession
+    from treespec.drafters.graphs import GraphedRow
 
     model = target("eagle3")
-    drafter = treespec.load_draft(ckpts("eagle3")[0], model)
-    sessions = []
-    opened = EagleSession.__init__
-
-    def with_static(self, *a):
-        opened(self, *a)
-        self.use_static_passes(capture=False)
-        sessions.append(self)
-
-    monkeypatch.setattr(EagleSession, "__init__", with_static)
+    drafter = treespec.load_draft(ckpts("eagle3")[0], model, cuda_graphs=True)
+    drafter.graphed_row = GraphedRow(capture=False)
+    rows = []
     for draft in (drafter, HybridDrafter(drafter)):
         for p in ([1, 5, 9, 3, 7, 5, 9, 3, 7], list(range(20, 45))):
             out = treespec.generate(model, draft, tree, [p], max_new_tokens=20)
             assert out.sequences == [hf_greedy(model, p, 20)]
-    assert sessions and all(s.static.passes for s in sessions)
+            rows.append(drafter.graphed_row.passes)
+    assert rows[0].passes  # levels and commits ran on static passes
+    assert len({id(r) for r in rows}) <= 2  # the same row for all, or a second once a longer one was needed
+    long = treespec.generate(model, drafter, tree, [list(range(1, 60)) * 2], max_new_tokens=20)
+    assert long.sequences == [hf_greedy(model, list(range(1, 60)) * 2, 20)]
+    assert drafter.graphed_row.passes is not rows[-1]  # 118 prompt tokens need a longer row
+
+
+def test_graphed_row_is_lent_to_one_session_at_a_time(ckpts, caplog):
+    """A second live session drafts eagerly, with a warning; the row returns on finish, or when
+    its session is dropped unfinished."""
+    from treespec.drafters.graphs import GraphedRow
+
+    model = target("eagle3")
+    drafter = treespec.load_draft(ckpts("eagle3")[0], model, cuda_graphs=True)
+    drafter.graphed_row = GraphedRow(capture=False)
+    def session():
+        return start(drafter, model, [[1, 2, 3]], [4], TreeConfig.chain(3))
+
+    first = session()
+    assert first.static is drafter.graphed_row.passes
+    with caplog.at_level("WARNING", logger="treespec.drafters.eagle"):
+        second = session()
+    assert second.static is None and "another session holds this drafter's graphs" in caplog.text
+    first.finish(0)
+    third = session()
+    assert third.static is drafter.graphed_row.passes
+    del third  # dropped without finish: the row is free again
+    assert session().static is drafter.graphed_row.passes

@@ -41,7 +41,7 @@ from ..kv_cache import PagedKVCache
 from ..runner import FINAL_NORM
 from ..warn import warn
 from .base import DraftSession, DraftStart, Drafter
-from .graphs import StaticPasses
+from .graphs import GraphedRow, StaticPasses
 
 __all__ = ["EagleHead", "EagleDrafter", "Eagle3Drafter", "load_draft", "eagle3_feature_layers"]
 
@@ -398,8 +398,9 @@ class EagleDrafter(Drafter):
     """An EAGLE-1/2 head: ``EagleDrafter.from_pretrained(path, target_model)``.
 
     ``cuda_graphs``: on a CUDA device, run a single request's head passes (tree levels, commits)
-    on fixed shapes and replay each shape from a CUDA graph captured on its first use
-    (:mod:`treespec.drafters.graphs`); batches of several requests run eagerly.
+    on fixed shapes and replay each shape from a CUDA graph captured on its first use and kept
+    for the next requests (:mod:`treespec.drafters.graphs`); batches of several requests run
+    eagerly.
     """
 
     def __init__(self, head: EagleHead, attention_backend: str = "auto", page_size: int = 16,
@@ -408,6 +409,7 @@ class EagleDrafter(Drafter):
         self.attention_backend = attention_backend
         self.page_size = page_size
         self.cuda_graphs = cuda_graphs
+        self.graphed_row = GraphedRow()  # the graphs and their cache row, lent to one session at a time
 
     @classmethod
     def from_pretrained(cls, path, target_model, **kw):
@@ -484,18 +486,30 @@ class EagleSession(DraftSession):
             self.to_draft[head.draft_to_target(ids).cpu()] = ids.cpu()
         self.room = room = ctx.tree_cfg.depth * ctx.tree_cfg.top_k + ctx.tree_cfg.num_nodes + 2
         longest = max(len(pr) for pr in ctx.prompts) + ctx.max_new_tokens + room
-        self.cache, self.seq = PagedKVCache.with_rows(1, c.num_kv_heads, c.head_dim, len(ctx.prompts), longest,
-                                                      drafter.page_size, kv_dtype(self.dtype, self.device),
-                                                      self.device)
+
+        def rows(count, tokens):
+            return PagedKVCache.with_rows(1, c.num_kv_heads, c.head_dim, count, tokens, drafter.page_size,
+                                          kv_dtype(self.dtype, self.device), self.device)
+
         self.static: StaticPasses | None = None
+        self._graphed: GraphedRow | None = None
+        lent = None
         if drafter.cuda_graphs:
-            if self.device.type != "cuda":
+            if self.device.type != "cuda" and drafter.graphed_row.capture:
                 raise ValueError(f"cuda_graphs=True needs the draft head on a CUDA device; it is on {self.device}")
-            if len(ctx.prompts) == 1:
-                self.use_static_passes(capture=True)
+            if len(ctx.prompts) > 1:
+                log.warning("CUDA graphs serve one request at a time: these %d requests are drafted eagerly",
+                            len(ctx.prompts))
             else:
-                log.info("CUDA graphs: %d requests drafted together run eagerly (graphs serve one)",
-                         len(ctx.prompts))
+                lent = drafter.graphed_row.lend(self, head, longest, room, lambda tokens: rows(1, tokens))
+                if lent is None:
+                    log.warning("CUDA graphs: another session holds this drafter's graphs; this one drafts eagerly")
+        if lent is not None:
+            self._graphed = drafter.graphed_row
+            self.cache, seq, graphed = lent
+            self.seq = [seq]
+        else:
+            self.cache, self.seq = rows(len(ctx.prompts), longest)
         self.root_logp: dict[int, torch.Tensor] = {}
         self.root_state: dict[int, torch.Tensor] = {}
         # One request on a CPU: the lean pass of _run_one (no batch plan; RoPE from a table).
@@ -514,10 +528,15 @@ class EagleSession(DraftSession):
             tokens.append(pr[hit.length:] + [t])
             features.append(torch.cat([hit.feature[None].to(f), f]))
         self._extend(list(range(len(ctx.prompts))), tokens, features)
+        if lent is not None:  # after the prompt's pass, which has a shape of its own and runs once
+            self.static = graphed
 
     def use_static_passes(self, capture: bool) -> None:
         """Run the one request's head passes on fixed shapes (:class:`StaticPasses` over its row of
-        the cache), each shape captured in a CUDA graph with ``capture``."""
+        this session's cache), each shape captured in a CUDA graph with ``capture`` (tests and
+        benchmarks; ``cuda_graphs=True`` uses the drafter's :class:`GraphedRow` instead)."""
+        if len(self.seq) != 1:
+            raise ValueError(f"static passes serve one request; this session drafts {len(self.seq)}")
         first, stride, (row,) = self.cache.block_rows([self.seq[0]], 0)
         start = first + row * stride
         keys, values = self.cache.flat(0)
@@ -665,6 +684,11 @@ class EagleSession(DraftSession):
         return {"kv": entries}
 
     def finish(self, request):
-        self.cache.free_sequence(self.seq[request])
+        if self._graphed is not None:  # the row stays with the drafter, for the next session
+            self.static = None
+            self._graphed.give_back(self)
+            self._graphed = None
+        else:
+            self.cache.free_sequence(self.seq[request])
         self.root_logp.pop(request, None)
         self.root_state.pop(request, None)

@@ -16,6 +16,12 @@ the head's table, K/V written into the row, fp32 SDPA, then the head's logits an
 log-softmax, which the graph holds too. Masked-out keys add exact zeros to the softmax, so the
 states equal the lean pass's up to the order the attention kernel sums in.
 
+Capturing costs a device synchronisation and an eager warm-up per shape, so the graphs outlive
+the session: a drafter keeps one :class:`GraphedRow` (a one-row draft cache and the passes
+captured over it) and lends it to one session at a time, which starts from an empty row; the
+row is rebuilt (and the graphs recaptured) when a session needs a longer row than it has, or
+when the head's weights moved (a graph replays the addresses it captured).
+
 Without ``capture`` the same passes run eagerly on the same buffers (on a CPU, where the tests
 hold them against the lean pass; capturing needs CUDA).
 
@@ -26,13 +32,17 @@ L cached entries before them, C the row's capacity, H hidden size, Vd draft voca
 from __future__ import annotations
 
 import logging
+import weakref
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from ..kv_cache import PagedKVCache
+
 log = logging.getLogger(__name__)
 
-__all__ = ["StaticPasses"]
+__all__ = ["StaticPasses", "GraphedRow"]
 
 
 class StaticPasses:
@@ -52,10 +62,10 @@ class StaticPasses:
             raise ValueError(f"CUDA graphs need the draft head on a CUDA device; it is on {keys.device}")
         self.head, self.keys, self.values = head, keys, values
         self.capacity = keys.shape[0]
-        self.rope = head.rope_table(self.capacity)  # positions are below L + m <= C
         self.capture, self.max_entries = capture, max_entries
-        self.pool = torch.cuda.graph_pool_handle() if capture else None  # one memory pool for all shapes
         self.passes: dict[int, _Pass] = {}
+        self._shared = _Shared(head, keys, values, head.rope_table(self.capacity),  # positions < L + m <= C
+                               torch.cuda.graph_pool_handle() if capture else None)  # one pool for all shapes
 
     def run(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
             cached: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -75,20 +85,30 @@ class StaticPasses:
             return None
         p = self.passes.get(n)
         if p is None:
-            p = self.passes[n] = _Pass(self, n)
+            p = self.passes[n] = _Pass(self._shared, n)
         p.fill(tokens, hidden, positions, mask, cached)
         p.launch()
         # Clones: the next launch of this shape overwrites the graph's outputs in place.
         return p.states.clone(), p.logp.clone()
 
 
+class _Shared:
+    """What every pass shape of a :class:`StaticPasses` reads (no reference back to it, so a
+    dropped one is freed at once, graphs, pool and cache row with it)."""
+
+    def __init__(self, head, keys, values, rope, pool):
+        self.head, self.keys, self.values, self.rope, self.pool = head, keys, values, rope, pool
+        self.capacity = keys.shape[0]
+
+
 class _Pass:
     """The static buffers of one pass shape (n entries) and, once captured, its graph."""
 
-    def __init__(self, owner: StaticPasses, n: int):
+    def __init__(self, owner: _Shared, n: int):
         head, dev = owner.head, owner.keys.device
         dtype = next(head.parameters()).dtype
         self.owner, self.n = owner, n
+        self.replays = 0
         self.tokens = torch.zeros(n, dtype=torch.int64, device=dev)
         self.hidden = torch.zeros(n, head.config.hidden_size, dtype=dtype, device=dev)
         self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
@@ -123,12 +143,18 @@ class _Pass:
 
     @torch.inference_mode()
     def launch(self) -> None:
-        if self.graph is not None:
-            self.graph.replay()
-            return
-        if not self.owner.capture:
+        if self.owner.pool is None:  # not captured: run eagerly
             self._body()
             return
+        # On the head's GPU: streams, the capture and its pool belong to the current device,
+        # and a head on another one would be captured as an empty graph.
+        with torch.cuda.device(self.owner.keys.device):
+            if self.graph is None:
+                self._capture()
+            self.graph.replay()
+        self.replays += 1
+
+    def _capture(self) -> None:
         # Warm up on a side stream (lazy initialisation, kernel choice), as torch.cuda.graphs
         # asks, then capture; the passes' K/V writes are idempotent, so running twice is safe.
         stream = torch.cuda.Stream()
@@ -141,7 +167,6 @@ class _Pass:
             self._body()
         self.graph = graph
         log.debug("captured the draft head's pass of %d entries in a CUDA graph", self.n)
-        graph.replay()
 
     def _body(self) -> None:
         owner, head = self.owner, self.owner.head
@@ -159,5 +184,57 @@ class _Pass:
                                                  enable_gqa=keys.shape[1] != q.shape[1])
             return out[0].transpose(0, 1).to(q.dtype)
 
+        # Outputs in the graphs' shared pool: another shape's replay may overwrite them, so
+        # StaticPasses.run hands out clones taken right after this shape's launch.
         self.states = head(self.tokens, self.hidden, self.positions, attend, (cos, sin))
         self.logp = head.logits(self.states).float().log_softmax(-1)
+
+
+class GraphedRow:
+    """A drafter's one-row draft cache and the static passes captured over it, lent to one
+    session at a time (:meth:`lend`) so that graphs captured by one request serve the next.
+    ``capture=False`` runs the same passes uncaptured (what the CUDA tests compare with)."""
+
+    def __init__(self, capture: bool = True):
+        self.capture = capture
+        self.cache: PagedKVCache | None = None
+        self.seq = 0
+        self.passes: StaticPasses | None = None
+        self._weights: tuple = ()
+        self._holder: Callable[[], object] | None = None  # a weak reference to the borrowing session
+
+    def lend(self, session, head, tokens: int, max_entries: int, make_cache: Callable[[int], tuple]):
+        """``(cache, seq, passes)`` for ``session``, its row holding at least ``tokens`` entries
+        and empty, or None while another live session holds it. ``make_cache(tokens)`` makes a
+        one-row cache as the session would (``PagedKVCache.with_rows``)."""
+        if self._holder is not None and self._holder() is not None:
+            return None
+        weights = _addresses(head)
+        if self.passes is None or self.passes.capacity < tokens or weights != self._weights:
+            self.passes = None  # the old graphs and row go first: the new ones need the memory
+            # A power of two: a session a little longer than the last reuses the row.
+            self.cache, (self.seq,) = make_cache(1 << max(tokens - 1, 1).bit_length())
+            first, stride, (row,) = self.cache.block_rows([self.seq], 0)
+            keys, values = self.cache.flat(0)
+            start = first + row * stride
+            self.passes = StaticPasses(head, keys[start: start + stride], values[start: start + stride],
+                                       capture=self.capture, max_entries=max_entries)
+            self._weights = weights
+        else:
+            self.cache.truncate(self.seq, 0)
+            self.passes.max_entries = max(self.passes.max_entries, max_entries)
+        self._holder = weakref.ref(session)
+        return self.cache, self.seq, self.passes
+
+    def give_back(self, session) -> None:
+        if self._holder is not None and self._holder() is session:
+            self._holder = None
+
+
+def _addresses(head) -> tuple:
+    """Where every tensor a captured pass reads lives (the head's, and the target's embedding
+    and output layer it borrows): a graph replays these addresses, so a change means recapture."""
+    tensors = [*head.parameters(), *head.buffers(), head._embed[0].weight]
+    if head._target_lm_head[0] is not None:
+        tensors.append(head._target_lm_head[0].weight)
+    return tuple((t.data_ptr(), t.dtype, t.device) for t in tensors)
