@@ -6,11 +6,13 @@
 # converts) is brought along (GGUF=... names the whole file: the device tool carries 64 MiB a
 # call, so it travels in pieces that are joined with cat before this script runs), and the
 # `gguf` package as a wheel (WHEELS=dir) where it is missing.
-#   GGUF=/path/SmolLM2-135M-Instruct.Q4_1.gguf [WHEELS=dir] [N=5] [LIMIT=420] bash benchmarks/figures/gpu_e2e.sh
+#   GGUF=/path/SmolLM2-135M-Instruct.Q4_1.gguf [WHEELS=dir] [N=5] [LIMIT=420] [GRAPHS=1] bash benchmarks/figures/gpu_e2e.sh
 # Writes gpu-gsm8k$N.{json,txt,log,jsonl} (the hybrid's chain-3, the hybrid with auto, which
 # first measures this GPU's verify costs, and the head alone's chain-3) under $OUT, else
-# benchmarks/results/gpu/, within LIMIT seconds (420). The first run (2026-12-04, files
-# gpu-gsm8k5-{fixed,auto}.*) ran the fixed trees and auto as two benches, two baselines.
+# benchmarks/results/gpu/, within LIMIT seconds (420). GRAPHS=1 runs the same with the head's
+# passes replayed from CUDA graphs (--cuda-graphs), files gpu-gsm8k$N-graphs.*, its own HF
+# baseline beside it. The first run (2026-12-04, files gpu-gsm8k5-{fixed,auto}.*) ran the
+# fixed trees and auto as two benches, two baselines.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-$(command -v python3 || command -v python)}
@@ -28,9 +30,14 @@ mkdir -p "$dir"
 [ -f "$dir/SmolLM2-135M-Instruct.Q4_1.gguf" ] || cp "${GGUF:?GGUF=path to SmolLM2-135M-Instruct.Q4_1.gguf}" "$dir/SmolLM2-135M-Instruct.Q4_1.gguf"
 bench=("$PY" -m treespec.cli bench --device cuda --dtype bfloat16 --dataset gsm8k --num-prompts "$N"
        --max-new-tokens 256 --no-hf-lookup --no-treespec-ar)
+name=gpu-gsm8k$N
+if [ "${GRAPHS:-0}" = 1 ]; then
+  bench+=(--cuda-graphs)
+  name=$name-graphs
+fi
 # One bench, so that every configuration shares one HF baseline; its journal keeps each
 # finished prompt if the time limit stops it.
 timeout --kill-after=10 "${LIMIT:-420}" "${bench[@]}" --config smollm2-135m-instruct-eagle+lookup@chain-3 \
   --config smollm2-135m-instruct-eagle+lookup@auto --config smollm2-135m-instruct-eagle@chain-3 \
-  --journal "$OUT/gpu-gsm8k$N.jsonl" --out "$OUT/gpu-gsm8k$N.json" 2>&1 | tee "$OUT/gpu-gsm8k$N.log"
+  --journal "$OUT/$name.jsonl" --out "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log"
 exit "${PIPESTATUS[0]}"

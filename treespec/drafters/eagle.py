@@ -444,7 +444,8 @@ class EagleDrafter(Drafter):
     def __repr__(self):
         c = self.head.config
         kind = "EAGLE-3" if c.eagle3 else "EAGLE-1/2"
-        return f"{type(self).__name__}({kind}, hidden {c.hidden_size}, draft vocab {c.draft_vocab_size})"
+        graphs = ", CUDA graphs" if self.cuda_graphs else ""
+        return f"{type(self).__name__}({kind}, hidden {c.hidden_size}, draft vocab {c.draft_vocab_size}{graphs})"
 
 
 class Eagle3Drafter(EagleDrafter):
