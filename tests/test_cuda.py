@@ -113,7 +113,7 @@ def test_cuda_graph_drafter_greedy_equals_hf_generate(tree):
     assert passes and all(p.graph is not None for p in passes.values())
     assert sum(p.replays for p in passes.values()) > 2 * len(passes)
 
-    _, uncaptured = gpu_eagle(3, cuda_graphs=True)
+    uncaptured = Eagle3Drafter(graphed.head, cuda_graphs=True)  # the same weights, the same row length
     uncaptured.graphed_row = GraphedRow(capture=False)
     for draft in (uncaptured, HybridDrafter(uncaptured)):
         for p in PROMPTS:
@@ -163,3 +163,4 @@ def test_cuda_graphs_are_recaptured_when_the_head_moves():
     out = treespec.generate(model, drafter, "eagle2", [p], max_new_tokens=12)
     assert drafter.graphed_row.passes is not first and kept
     assert out.sequences == [hf_greedy(model, p, 12)]
+    assert any(q.replays for q in drafter.graphed_row.passes.passes.values())

@@ -903,3 +903,25 @@ def test_graphed_row_is_lent_to_one_session_at_a_time(ckpts, caplog):
     assert third.static is drafter.graphed_row.passes
     del third  # dropped without finish: the row is free again
     assert session().static is drafter.graphed_row.passes
+
+
+def test_graphed_row_returns_when_a_stream_is_closed_early_and_comes_back_zeroed(ckpts):
+    """The engine closes its draft session however generation ends: a stream closed after two
+    steps gives the row back, and the next request finds it zeroed (each pass reads the whole
+    row, so a non-finite entry left behind would turn its softmax to NaN)."""
+    from treespec.drafters.graphs import GraphedRow
+
+    model = target("eagle3")
+    drafter = treespec.load_draft(ckpts("eagle3")[0], model, cuda_graphs=True)
+    drafter.graphed_row = GraphedRow(capture=False)
+    p = [1, 5, 9, 3, 7, 5, 9, 3, 7]
+    steps = treespec.stream(model, drafter, "eagle2", [p], max_new_tokens=30)
+    next(steps), next(steps), next(steps)
+    row = drafter.graphed_row.passes
+    row.keys[-1] = float("nan")  # what a diverged head could leave in a tree slot
+    steps.close()
+    out = treespec.generate(model, drafter, "eagle2", [p], max_new_tokens=20)
+    assert drafter.graphed_row.passes is row  # returned on close, lent again
+    assert out.sequences == [hf_greedy(model, p, 20)]
+    assert torch.isfinite(row.keys).all()
+    assert all(torch.isfinite(q.logp).all() for q in row.passes.values())

@@ -608,7 +608,8 @@ def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts: list[
     watch = _AcceptanceWatch(drafter)
     # Nodes per step: the tree's, plus what the drafter grafts on top (prompt lookup).
     max_nodes = cfg.num_nodes + drafter.extra_nodes
-    with runner.attached(), contextlib.closing(_prefix_use(prefix_cache, runner, drafter)) as prefixes:
+    with runner.attached(), contextlib.closing(_prefix_use(prefix_cache, runner, drafter)) as prefixes, \
+            contextlib.ExitStack() as ends_with:  # the draft session's close, however the loop ends
         auto = _controller(runner, drafter, cfg, decodings[0].greedy, B, max_nodes, auto_profile)
         timer = _StepTimer(metrics)
         # One row of the cache per request, each long enough for the longest: a batch's K/V
@@ -628,6 +629,7 @@ def _loop(runner: ModelRunner, drafter: Drafter, cfg: TreeConfig, prompts: list[
                 prompts=[list(p) for p in prompts], first_tokens=first, features=features, max_new_tokens=max_new,
                 tree_cfg=cfg, stop=auto.stop, candidates=auto.candidates, rules=rules,
                 prefix=prefixes.draft_prefixes()))
+            ends_with.callback(session.close)  # what the drafter lent it (a CUDA-graphed row) goes back
             _finish([b for b in range(B) if done[b]], session, prefixes, cache, seqs, sequences)
 
         step = 0

@@ -16,7 +16,7 @@ ids differ).
 Then treespec's own drafter with the same head (``--session-steps``, 0 to skip): EAGLE-3
 sessions after the same prefix drafting ``--tree`` trees and committing 1-4 tokens a step,
 three ways: ``eager`` (the session's default pass on a GPU), ``static`` (the fixed-shape passes
-of treespec.drafters.graphs, uncaptured) and ``graphs`` (``cuda_graphs=True``: the same passes
+of treespec.drafters.graphs over the drafter's row, uncaptured) and ``graphs`` (``cuda_graphs=True``: the same passes
 replayed from CUDA graphs); two sessions each, the first whole (with graphs it captures every
 shape), the second's median ms per proposal and per commit. The graphs' trees must equal the
 static passes' bit for bit (exit 1 otherwise).
@@ -43,6 +43,7 @@ from benchmarks.timing import command, median_ms  # noqa: E402
 from treespec import TreeConfig  # noqa: E402
 from treespec.drafters.base import DraftStart  # noqa: E402
 from treespec.drafters.eagle import Eagle3Drafter, EagleHead, HeadConfig  # noqa: E402
+from treespec.drafters.graphs import GraphedRow  # noqa: E402
 from treespec.machine import machine_info  # noqa: E402
 
 SHAPES = {
@@ -133,13 +134,13 @@ def session_rows(head: EagleHead, prefix: int, tree: str, steps: int, cuda: bool
     features = (0.5 * torch.randn(prefix + span, 3 * c.target_hidden_size, generator=g)).to(dev, dtype)
     rows, trees, ok = [], {}, True
     for variant in ("eager", "static", "graphs") if cuda else ("eager", "static"):
-        drafter = Eagle3Drafter(head, cuda_graphs=variant == "graphs")
+        # static: the graphed row's passes, uncaptured (the same row length, so the same sums)
+        drafter = Eagle3Drafter(head, cuda_graphs=variant != "eager")
+        drafter.graphed_row = GraphedRow(capture=variant == "graphs")
         times = []
         for _ in range(2):
             session = drafter.start(None, DraftStart([tokens[:prefix]], [tokens[prefix]], [features[:prefix]],
                                                      span + 8, cfg))
-            if variant == "static":
-                session.use_static_passes(capture=False)
             propose, commit, drafted, pos = [], [], [], prefix
             for i in range(steps):
                 sync()
@@ -161,8 +162,8 @@ def session_rows(head: EagleHead, prefix: int, tree: str, steps: int, cuda: bool
         rows.append({"tree": tree, "variant": variant, "steps": steps, "first_session_ms": sum(first_p) + sum(first_c),
                      "propose_ms": statistics.median(propose), "commit_ms": statistics.median(commit),
                      "nodes": statistics.mean(t.num_nodes for t in drafted)})
-        if variant == "graphs":
-            rows[-1]["graphs"] = sorted(drafter.graphed_row.passes.passes)
+        if variant != "eager":
+            rows[-1]["pass_shapes"] = sorted(drafter.graphed_row.passes.passes)
     if "graphs" in trees:
         same = all(torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
                    and torch.equal(a.scores, b.scores) for a, b in zip(trees["static"], trees["graphs"]))

@@ -97,7 +97,8 @@ def drafter(spec: str, model, tokenizer, backend: str, cuda_graphs: bool = False
     from ..drafters import ModelDrafter, NgramDrafter, load_draft
 
     check_draft_spec(spec)
-    if cuda_graphs and (spec in ("ngram", "none") or spec.startswith(("layers:", "model:"))):
+    if cuda_graphs and (spec in ("ngram", "none") or spec.startswith(("layers:", "model:"))) \
+            and not spec.endswith(LOOKUP_SUFFIX):  # a graft's primary is checked on its own
         log.warning("--cuda-graphs applies to EAGLE heads: the %s drafter runs eagerly", spec)
     if spec.endswith(LOOKUP_SUFFIX):
         from ..drafters import HybridDrafter

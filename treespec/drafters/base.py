@@ -99,6 +99,11 @@ class DraftSession(ABC):
     def finish(self, request: int) -> None:
         """Request ``request`` is done; its state may be dropped."""
 
+    def close(self) -> None:
+        """Generation ended, however it ended (every request finished, an error, a stream
+        closed early): let go of anything lent to the session. Called once by the engine;
+        nothing by default."""
+
     def prefix_state(self, request: int, start: int) -> dict[str, torch.Tensor] | None:
         """For a prefix cache, before :meth:`finish`: this drafter's rows for ``request``'s
         committed tokens from ``start`` on (name -> ``[R, ...]``, row ``t - start`` for token t,

@@ -243,6 +243,10 @@ class EagleHead(nn.Module):
             self._rope_table = table = (cos[0], sin[0])
         return table
 
+    def forget_rope_table(self) -> None:
+        """Drop the kept ``(cos, sin)`` table (after the rotary frequencies changed, e.g. a cast)."""
+        self._rope_table = None
+
     def forward(self, tokens, hidden, positions, attend, rope=None) -> torch.Tensor:
         """One head pass.
 
@@ -674,6 +678,13 @@ class EagleSession(DraftSession):
     def commit(self, requests, tokens, features):
         self._extend(list(requests), [list(t) for t in tokens], features)
 
+    def close(self):
+        """Give the drafter's graphed row back (its one request finished, or generation ended);
+        the session drafts no more."""
+        self.static = None
+        if self._graphed is not None:
+            self._graphed.give_back(self)
+
     def prefix_state(self, request, start):
         """Row t: the head's entry t-1 (``kv`` ``[2, 1, Hkv, D]``), the entry that pairs
         position t-1 with token t, so a page's rows hold for whatever follows the page; row 0
@@ -686,9 +697,7 @@ class EagleSession(DraftSession):
 
     def finish(self, request):
         if self._graphed is not None:  # the row stays with the drafter, for the next session
-            self.static = None
-            self._graphed.give_back(self)
-            self._graphed = None
+            self.close()
         else:
             self.cache.free_sequence(self.seq[request])
         self.root_logp.pop(request, None)

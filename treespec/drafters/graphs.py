@@ -8,19 +8,22 @@ run"), and the drafter took 40-65% of a treespec step there end to end.
 
 :class:`StaticPasses` makes every pass of ``n`` entries one shape: it always attends over the
 request's whole row of the draft cache (the row's capacity C, keys past the pass masked out)
-and reads its inputs from buffers that live as long as the session, so the pass of ``n``
+and reads its inputs from buffers that live as long as the row, so the pass of ``n``
 entries is captured once (:class:`torch.cuda.CUDAGraph`) and replayed for every later pass of
 ``n`` entries: a tree level (n = the frontier's width), the commit of the accepted tokens (n =
 their count). The arithmetic is the session's lean pass (``EagleSession._run_one``): RoPE from
-the head's table, K/V written into the row, fp32 SDPA, then the head's logits and
-log-softmax, which the graph holds too. Masked-out keys add exact zeros to the softmax, so the
-states equal the lean pass's up to the order the attention kernel sums in.
+the head's table, K/V written into the row, fp32 SDPA (the query heads that share a key head
+folded into one query axis, so the keys are not repeated per head), then the head's logits and
+log-softmax, which the graph holds too. Masked-out keys add exact zeros to the softmax as long
+as they are finite (a lent row is zeroed), so the states equal the lean pass's up to the order
+the attention kernel sums in.
 
 Capturing costs a device synchronisation and an eager warm-up per shape, so the graphs outlive
 the session: a drafter keeps one :class:`GraphedRow` (a one-row draft cache and the passes
-captured over it) and lends it to one session at a time, which starts from an empty row; the
-row is rebuilt (and the graphs recaptured) when a session needs a longer row than it has, or
-when the head's weights moved (a graph replays the addresses it captured).
+captured over it) and lends it to one session at a time, which starts from a zeroed row; the
+row is rebuilt (and the graphs recaptured) when a session needs a longer row than it has or
+one under a quarter of it (each pass attends over the whole row), or when the head's weights
+moved (a graph replays the addresses it captured).
 
 Without ``capture`` the same passes run eagerly on the same buffers (on a CPU, where the tests
 hold them against the lean pass; capturing needs CUDA).
@@ -177,12 +180,15 @@ class _Pass:
         def attend(q, k, v):  # q [n, Hq, D], k/v [n, Hkv, D]
             owner.keys.index_copy_(0, self.slots, k.to(owner.keys.dtype))
             owner.values.index_copy_(0, self.slots, v.to(owner.values.dtype))
-            keys = owner.keys.transpose(0, 1).to(torch.float32)[None]  # [1, Hkv, C, D]
-            values = owner.values.transpose(0, 1).to(torch.float32)[None]
-            out = F.scaled_dot_product_attention(q.to(torch.float32).transpose(0, 1)[None], keys, values,
-                                                 attn_mask=self.mask[None, None], scale=c.head_dim ** -0.5,
-                                                 enable_gqa=keys.shape[1] != q.shape[1])
-            return out[0].transpose(0, 1).to(q.dtype)
+            n, Hq, D = q.shape
+            Hkv = k.shape[1]
+            g = Hq // Hkv  # query heads per key head: head h reads key head h // g
+            keys = owner.keys.transpose(0, 1).to(torch.float32)  # [Hkv, C, D]
+            values = owner.values.transpose(0, 1).to(torch.float32)
+            q = q.to(torch.float32).view(n, Hkv, g, D).permute(1, 2, 0, 3).reshape(Hkv, g * n, D)
+            mask = self.mask[None].expand(g, n, owner.capacity).reshape(g * n, owner.capacity)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=c.head_dim ** -0.5)
+            return out.view(Hkv, g, n, D).permute(2, 0, 1, 3).reshape(n, Hq, D).to(k.dtype)
 
         # Outputs in the graphs' shared pool: another shape's replay may overwrite them, so
         # StaticPasses.run hands out clones taken right after this shape's launch.
@@ -210,8 +216,11 @@ class GraphedRow:
         if self._holder is not None and self._holder() is not None:
             return None
         weights = _addresses(head)
-        if self.passes is None or self.passes.capacity < tokens or weights != self._weights:
-            self.passes = None  # the old graphs and row go first: the new ones need the memory
+        if (self.passes is None or not tokens <= self.passes.capacity < 4 * tokens  # too short, or far too long
+                or weights != self._weights):
+            self.passes = self.cache = None  # the old graphs and row go first: the new ones need the memory
+            if weights != self._weights:
+                head.forget_rope_table()  # recomputed from the weights as they are now
             # A power of two: a session a little longer than the last reuses the row.
             self.cache, (self.seq,) = make_cache(1 << max(tokens - 1, 1).bit_length())
             first, stride, (row,) = self.cache.block_rows([self.seq], 0)
@@ -223,6 +232,10 @@ class GraphedRow:
         else:
             self.cache.truncate(self.seq, 0)
             self.passes.max_entries = max(self.passes.max_entries, max_entries)
+        # Zeroed: every pass reads the whole row, and a masked key still turns the softmax to
+        # NaN if it is not finite (say, a tree node of an earlier request's diverged head).
+        self.passes.keys.zero_()
+        self.passes.values.zero_()
         self._holder = weakref.ref(session)
         return self.cache, self.seq, self.passes
 
@@ -234,7 +247,6 @@ class GraphedRow:
 def _addresses(head) -> tuple:
     """Where every tensor a captured pass reads lives (the head's, and the target's embedding
     and output layer it borrows): a graph replays these addresses, so a change means recapture."""
-    tensors = [*head.parameters(), *head.buffers(), head._embed[0].weight]
-    if head._target_lm_head[0] is not None:
-        tensors.append(head._target_lm_head[0].weight)
-    return tuple((t.data_ptr(), t.dtype, t.device) for t in tensors)
+    modules = [head, head._embed[0]] + ([head._target_lm_head[0]] if head._target_lm_head[0] is not None else [])
+    tensors = [t for m in modules for t in (*m.parameters(), *m.buffers())]
+    return tuple((t.data_ptr(), t.dtype, t.device, tuple(t.shape)) for t in tensors)

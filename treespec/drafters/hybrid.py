@@ -136,3 +136,7 @@ class HybridSession(DraftSession):
     def finish(self, request: int) -> None:
         self.primary.finish(request)
         self.lookup.finish(request)
+
+    def close(self) -> None:
+        self.primary.close()
+        self.lookup.close()

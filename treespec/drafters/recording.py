@@ -66,3 +66,6 @@ class _RecordingSession(DraftSession):
 
     def finish(self, request: int) -> None:
         self.session.finish(request)
+
+    def close(self) -> None:
+        self.session.close()
