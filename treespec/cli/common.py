@@ -1,10 +1,8 @@
 """What the subcommands share and need no model for: defaults, argument groups (each flag
 declared once), the checks that answer before torch loads, one-line errors and the one
-progress adapter between the library's callbacks and the terminal.
-
-Nothing here imports torch at module level: every subcommand module imports this one while
-the parser is built, ``--help`` included.
-"""
+progress adapter between the library's callbacks and the terminal. Nothing here imports torch
+at module level: every subcommand module imports this one while the parser is built, ``--help``
+included."""
 
 from __future__ import annotations
 
@@ -20,8 +18,7 @@ log = logging.getLogger(__package__)  # "treespec.cli", the name -v and the test
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_DRAFT = "smollm2-135m-instruct-eagle"
-# generate's draft and tree when none is asked for: the shipped head with prompt lookup grafted onto its trees, each
-# step's tree chosen from this machine's costs (auto); level with chain-3, the fastest fixed tree (docs/benchmarks.md).
+# generate's draft and tree when none is asked for: the shipped head with prompt lookup grafted on, auto trees.
 DEFAULT_SPEC = f"{DEFAULT_DRAFT}+lookup"
 DEFAULT_TREE = "auto"
 MODEL_HELP = "target: a treespec name, HF id or path"
@@ -48,7 +45,7 @@ def add_pair(p):
     p.add_argument("--tree", default=DEFAULT_TREE,
                    help="a preset name or a JSON tree file (default: %(default)s: each step verifies the tree that "
                         "pays most from this machine's measured verify costs and the draft's calibrated scores; "
-                        "level with chain-3, the fastest fixed preset with the shipped head, docs/benchmarks.md)")
+                        "chain-3 is as fast, up to 5%% faster on chat with the shipped head, docs/benchmarks.md)")
 
 
 def add_dataset(p):
@@ -98,19 +95,17 @@ def generation_options(args) -> dict:
 
 
 def add_runtime(p, *, device: str = "auto", dtype: str = "auto", pack: bool | None = None, graphs: bool = True):
-    """--backend, --cuda-graphs (``graphs``: where a drafter runs), --threads, --device, --dtype,
-    --pack. ``tree show`` passes cpu, float32 and no packing: what it always drew with, so its
-    defaults stay while the flags are honoured."""
+    """--backend, --cuda-graphs (``graphs``: where a drafter runs), --threads, --device, --dtype, --pack; ``tree
+    show`` passes cpu, float32 and no packing (what it always drew with), so its defaults stay."""
     def here(value, usual):
         return "" if value == usual else f" (default here: {value})"
 
     p.add_argument("--backend", choices=["auto", "torch", "flex", "flashinfer"], default="auto",
                    help="tree attention backend (auto: FlashInfer on CUDA when installed, else torch; flex: "
                         "PyTorch's flex_attention, compiled with triton on CUDA, nothing to install)")
-    if graphs:
-        p.add_argument("--cuda-graphs", action="store_true",
-                       help="on a CUDA GPU, replay the EAGLE head's passes from CUDA graphs (one request at a time; "
-                            "captured on first use per shape; other drafters run eagerly)")
+    if graphs:  # not for capture, which runs the target alone
+        p.add_argument("--cuda-graphs", action="store_true", help="on a CUDA GPU, replay the EAGLE head's passes "
+                       "from CUDA graphs (one request at a time; other drafters run eagerly)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: one per physical core available; on a machine whose cores "
                         "other processes keep busy, fewer is much faster, often 1: see README, Threads)")
