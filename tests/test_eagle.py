@@ -820,7 +820,7 @@ def test_a_static_pass_computes_the_lean_pass(ckpts, kind, dtype, seed, data):
     static_states, static_logp = s.static.run(tokens, hidden, positions, mask, s.cache.seq_lens[s.seq[0]])
     static = s.static
     s.static = None  # the lean pass, writing the same K/V to the same slots
-    lean_states = s._run_one(0, tokens, hidden, positions, mask)
+    lean_states, _ = s._run_one(0, tokens, hidden, positions, mask)
     lean_logp = drafter.head.logits(lean_states).float().log_softmax(-1)
     s.static = static
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)

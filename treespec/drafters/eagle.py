@@ -542,11 +542,7 @@ class EagleSession(DraftSession):
         benchmarks; ``cuda_graphs=True`` uses the drafter's :class:`GraphedRow` instead)."""
         if len(self.seq) != 1:
             raise ValueError(f"static passes serve one request; this session drafts {len(self.seq)}")
-        first, stride, (row,) = self.cache.block_rows([self.seq[0]], 0)
-        start = first + row * stride
-        keys, values = self.cache.flat(0)
-        self.static = StaticPasses(self.head, keys[start: start + stride], values[start: start + stride], capture,
-                                   max_entries=self.room)
+        self.static = StaticPasses.over_row(self.head, self.cache, self.seq[0], capture, self.room)
 
     @torch.inference_mode()
     def _run(self, requests, tokens, hidden, positions, masks, extra_keys=None):
@@ -555,10 +551,9 @@ class EagleSession(DraftSession):
         None."""
         if (self.lean or self.static is not None) and len(requests) == 1:
             out = self._run_one(requests[0], tokens[0], hidden[0], positions[0], masks[0])
-            if isinstance(out, tuple):
-                return [out[0]], [out[1]]
             if out is not None:
-                return [out], None
+                states, logp = out
+                return [states], None if logp is None else [logp]
         seqs = [self.seq[r] for r in requests]
         prefix = [self.cache.seq_lens[s] for s in seqs]
         kpos = [p if extra_keys is None else torch.cat([extra_keys[i], p]) for i, p in enumerate(positions)]
@@ -575,9 +570,9 @@ class EagleSession(DraftSession):
     def _run_one(self, request, tokens, hidden, positions, mask):
         """:meth:`_run` for one request whose entries lie in its row of the cache, with the
         torch backend's arithmetic (fp32 SDPA over the row's keys) and none of its batch
-        planning, which costs more than the head's attention itself; None when the row cannot
-        hold them (the general pass then runs). With static passes, ``(states, log-probs)``
-        from them where the pass fits."""
+        planning, which costs more than the head's attention itself. Returns ``(states,
+        log-probs)``, the log-probs None unless static passes computed them, or None when the
+        row cannot hold the entries (the general pass then runs)."""
         cache, seq = self.cache, self.seq[request]
         L = cache.seq_lens[seq]
         n, m = mask.shape
@@ -610,7 +605,7 @@ class EagleSession(DraftSession):
 
         pos = positions.to(self.device)
         rope = (self.rope[0][pos], self.rope[1][pos])
-        return self.head(tokens.to(self.device), hidden.to(self.dtype), pos, attend, rope)
+        return self.head(tokens.to(self.device), hidden.to(self.dtype), pos, attend, rope), None
 
     def _extend(self, requests, tokens, features):
         """Draft extend: entries (f_i, token_i) for committed tokens, then the root's

@@ -63,12 +63,31 @@ class StaticPasses:
     def __init__(self, head, keys: torch.Tensor, values: torch.Tensor, capture: bool, max_entries: int):
         if capture and keys.device.type != "cuda":
             raise ValueError(f"CUDA graphs need the draft head on a CUDA device; it is on {keys.device}")
-        self.head, self.keys, self.values = head, keys, values
-        self.capacity = keys.shape[0]
-        self.capture, self.max_entries = capture, max_entries
+        self.max_entries = max_entries
         self.passes: dict[int, _Pass] = {}
-        self._shared = _Shared(head, keys, values, head.rope_table(self.capacity),  # positions < L + m <= C
+        self._shared = _Shared(head, keys, values, head.rope_table(keys.shape[0]),  # positions < L + m <= C
                                torch.cuda.graph_pool_handle() if capture else None)  # one pool for all shapes
+
+    @classmethod
+    def over_row(cls, head, cache: PagedKVCache, seq: int, capture: bool, max_entries: int) -> "StaticPasses":
+        """The passes over sequence ``seq``'s row of a one-layer cache made by
+        :meth:`PagedKVCache.with_rows`."""
+        first, stride, (row,) = cache.block_rows([seq], 0)
+        start = first + row * stride
+        keys, values = cache.flat(0)
+        return cls(head, keys[start: start + stride], values[start: start + stride], capture, max_entries)
+
+    @property
+    def keys(self) -> torch.Tensor:  # [C, Hkv, D], the row's keys; values likewise
+        return self._shared.keys
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._shared.values
+
+    @property
+    def capacity(self) -> int:
+        return self._shared.capacity
 
     def run(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
             cached: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -223,11 +242,7 @@ class GraphedRow:
                 head.forget_rope_table()  # recomputed from the weights as they are now
             # A power of two: a session a little longer than the last reuses the row.
             self.cache, (self.seq,) = make_cache(1 << max(tokens - 1, 1).bit_length())
-            first, stride, (row,) = self.cache.block_rows([self.seq], 0)
-            keys, values = self.cache.flat(0)
-            start = first + row * stride
-            self.passes = StaticPasses(head, keys[start: start + stride], values[start: start + stride],
-                                       capture=self.capture, max_entries=max_entries)
+            self.passes = StaticPasses.over_row(head, self.cache, self.seq, self.capture, max_entries)
             self._weights = weights
         else:
             self.cache.truncate(self.seq, 0)
