@@ -8,8 +8,10 @@ Per category: the questions journaled (of ``--num-prompts``), each configuration
 speedup over plain HF generate and over the same-path baseline (total tokens over total
 seconds, as ``treespec bench`` computes them), mean accepted tokens, how many outputs left HF
 generate's and how many of those were not bf16 near-ties (``unexplained``), and for every pair of
-treespec configurations their ratio pooled and the per-question median and range. Reads the
-journal only (no model): timings are the run's own.
+treespec configurations their ratio pooled and the per-question median and range. With
+``--mt-bench``, also conversation's eight MT-bench categories apart (``conversation:writing``,
+...; ten questions each in the 480 run). Reads the journal only (no model): timings are the
+run's own.
 """
 
 from __future__ import annotations
@@ -33,22 +35,24 @@ def rate(runs: list[dict]) -> float:
     return sum(len(r["tokens"]) for r in runs) / sum(r["seconds"] for r in runs)
 
 
-def summarise(path: Path, num_prompts: int) -> dict:
+def summarise(path: Path, num_prompts: int, mt_bench: bool = False) -> dict:
     lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     head, rows = lines[0]["key"], lines[1:]
     names = [c["name"] for c in head["configs"]]
-    categories = [q["category"] for q in spec_bench_questions("spec-bench", num_prompts)]
-    if not head["prompts"].startswith(f"{len(categories)} prompts,"):
-        raise SystemExit(f"{path} journals {head['prompts']}, not {len(categories)}: give its --num-prompts")
+    questions = spec_bench_questions("spec-bench", num_prompts)
+    if not head["prompts"].startswith(f"{len(questions)} prompts,"):
+        raise SystemExit(f"{path} journals {head['prompts']}, not {len(questions)}: give its --num-prompts")
+    labels = [[q["category"]] + ([f"{q['category']}:{q['mt_bench_category']}"] if mt_bench and "mt_bench_category" in q
+                                 else []) for q in questions]  # the groups each question counts in
     treespec = [c["name"] for c in head["configs"] if c["kind"] == "treespec"]
     out = {"journal": str(path), "machine": head["machine"], "configs": names, "categories": {}}
-    for cat in dict.fromkeys(categories):
-        done = [r for r in rows if categories[r["prompt"]] == cat]
+    for cat in dict.fromkeys(label for ls in labels for label in ls):
+        done = [r for r in rows if cat in labels[r["prompt"]]]
         if not done:
             continue
         per = {n: [r["runs"][n] for r in done] for n in names}
         base, same = rate(per[BASE]), rate(per[SAME_PATH])
-        c = {"num_prompts": len(done), "of": categories.count(cat), "configs": {}}
+        c = {"num_prompts": len(done), "of": sum(cat in ls for ls in labels), "configs": {}}
         for n in names:
             acc = [a for run in per[n] if run["metrics"] for a in run["metrics"]["accepted"]]
             diffs = [r["divergences"][n] for r in done if n in r["divergences"]]
@@ -75,9 +79,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("journal")
     ap.add_argument("--num-prompts", type=int, default=80, help="the run's --num-prompts (per category)")
+    ap.add_argument("--mt-bench", action="store_true", help="also conversation's MT-bench categories apart")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    res = summarise(Path(args.journal), args.num_prompts)
+    res = summarise(Path(args.journal), args.num_prompts, args.mt_bench)
     for cat, c in res["categories"].items():
         print(f"{cat}: {c['num_prompts']} of {c['of']} questions")
         for n, f in c["configs"].items():
