@@ -25,3 +25,24 @@ def smollm2():
         return models.load("smollm2-135m-instruct")
     except models.ModelFetchError as err:
         pytest.skip(f"SmolLM2-135M-Instruct cannot be fetched here: {err}")
+
+
+@pytest.fixture
+def fresh_flex():
+    """treespec's compiled flex_attention compiled afresh for this test, as in a new process.
+
+    torch runs a compiled function eagerly once it has been recompiled too often (8 times by
+    default), and flex_attention run eagerly is its unfused fallback: a test of the fused kernel
+    would then pass on the fallback's arithmetic. One test process changes dtypes and models
+    many times over, which a user's process does not, so each such test starts from a reset
+    compiler; mark it ``pytest.mark.filterwarnings("error:flex_attention called without
+    torch.compile")`` so that the fallback fails it. torch warns of the fallback once per process: the record of that is cleared too."""
+    from torch.nn.attention import flex_attention as flex
+
+    from treespec import attention
+
+    torch._dynamo.reset()
+    attention._compiled_flex.cache_clear()
+    getattr(flex, "_WARNINGS_SHOWN", set()).discard("flex_attention_performance")
+    yield
+    getattr(flex, "_WARNINGS_SHOWN", set()).discard("flex_attention_performance")

@@ -263,9 +263,10 @@ def test_flex_attends_like_torch(prefixes, masks, page_size, window, rows, seed)
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch's compiler
+@pytest.mark.filterwarnings("error:flex_attention called without torch.compile")  # the kernel, not its fallback
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
                     reason="compiling flex_attention on a CPU needs a C++ compiler")
-def test_flex_compiled_on_cpu_attends_like_torch_and_reads_the_tile_tables(monkeypatch):
+def test_flex_compiled_on_cpu_attends_like_torch_and_reads_the_tile_tables(monkeypatch, fresh_flex):
     """The compiled kernel (the path CUDA takes, here built for the CPU) skips the tiles the
     tables leave out and runs full tiles without the mask: with the right tables it gives the
     torch backend's outputs, and tables that call every tile full give something else. Two
@@ -358,7 +359,8 @@ def cuda_model(seed: int = 0, **kw):
     pytest.param("flashinfer", marks=pytest.mark.skipif(not flashinfer_available(),
                                                         reason="needs flashinfer: pip install 'treespec[cuda]'")),
 ])
-def test_backend_matches_torch_backend_on_cuda_fp16(backend, page_size):
+@pytest.mark.filterwarnings("error:flex_attention called without torch.compile")  # the kernel, not its fallback
+def test_backend_matches_torch_backend_on_cuda_fp16(backend, page_size, fresh_flex):
     model = cuda_model(peak=1.0).to("cuda", torch.float16)  # logits O(1): atol means something
     ref = _tree_logits(ModelRunner(model, "torch"), PROMPTS, TREES, page_size)
     other = _tree_logits(ModelRunner(model, backend), PROMPTS, TREES, page_size)

@@ -29,7 +29,7 @@ def test_dry_run_passes_and_prints_the_carried_size():
     out = run.stdout
     assert "ok: benchmarks/micro/verify_cost_gpu.py imports" in out
     assert "ok: benchmarks/micro/draft_step_gpu.py imports" in out
-    collected = re.search(r"ok: tests/test_cuda.py tests/test_backends.py: (\d+) CUDA tests collected", out)
+    collected = re.search(r"ok: tests/test_cuda_graphs.py tests/test_cuda.py tests/test_backends.py: (\d+) CUDA tests collected", out)
     assert collected and int(collected.group(1)) >= 5, out
     size = re.search(r"carried: ([\d.]+) MiB in (\d+) files .*limit 64 MiB", out)
     assert size and 0 < float(size.group(1)) <= 64 and int(size.group(2)) > 100, out

@@ -317,7 +317,9 @@ class FlexBackend(TorchBackend):
 
     ``compile``: run the compiled kernel (default on CUDA: triton, compiled once per process
     and again for a few new shape families, seconds each), else the unfused path (default on
-    a CPU: compiling there needs a C++ compiler and about 10 s per shape family).
+    a CPU: compiling there needs a C++ compiler and about 10 s per shape family, and in torch
+    2.13 a decoding loop's shapes, once torch.compile makes them dynamic, fail to build: a
+    ``CppCompileError`` in inductor's CPU flex template).
     """
 
     name = "flex"

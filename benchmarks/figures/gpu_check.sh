@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check for a bare CUDA machine: installs nothing, fetches nothing, and ends within about
-# 7 minutes (each step has a time limit). What it needs is the checkout itself (treespec/,
+# 7.5 minutes (each step has a time limit: 110 + 80 + 230 s, each plus at most 10 s to stop). What it needs is the checkout itself (treespec/,
 # tests/, benchmarks/) and a python with torch (CUDA), transformers, triton, pytest and
 # hypothesis; FlashInfer is used when it imports, skipped otherwise.
 #   1. the environment: GPU, torch, CUDA, transformers, triton, whether flex and FlashInfer run;
@@ -12,9 +12,10 @@
 #      against a CUDA graph of the same level, k = 1, 4, 8; then treespec's own EagleSession
 #      with that head drafting eagle2 trees eager, on static passes, and replayed from CUDA
 #      graphs (cuda_graphs=True), whose trees must equal the static passes' (benchmarks/micro/draft_step_gpu.py);
-#   4. the CUDA tests: flex (and FlashInfer) tree logits against the torch backend, greedy
-#      equality with HF generate on the GPU through every backend (tests/test_backends.py,
-#      tests/test_cuda.py).
+#   4. the CUDA tests, the least run first: the EAGLE head's CUDA graphs (tests/test_cuda_graphs.py),
+#      then greedy equality with HF generate on the GPU through every backend (tests/test_cuda.py)
+#      and flex (and FlashInfer) tree logits against the torch backend (tests/test_backends.py);
+#      each test is named as it ends, so a step that runs out of time shows where.
 # Results, under $OUT if set, else benchmarks/results/gpu/: gpu_check.json (environment and
 # each step's exit status and time), verify_cost.json and .txt, draft_step.json and .txt,
 # cuda-tests.txt.
@@ -38,12 +39,12 @@ LAYERS=${LAYERS:-}                # default: the shape's (32 for Llama-3.1-8B)
 SIZES=${SIZES:-}                  # default: the script's, 1 .. 128
 PREFIX=${PREFIX:-1536}
 REPEATS=${REPEATS:-10}
-COST_LIMIT=${COST_LIMIT:-180}     # seconds for step 2
-DRAFT_LIMIT=${DRAFT_LIMIT:-60}    # seconds for step 3
-TESTS_LIMIT=${TESTS_LIMIT:-180}   # seconds for step 4
+COST_LIMIT=${COST_LIMIT:-110}     # seconds for step 2 (72 s on an H200)
+DRAFT_LIMIT=${DRAFT_LIMIT:-80}    # seconds for step 3 (21 s on an H200 before its session part)
+TESTS_LIMIT=${TESTS_LIMIT:-230}   # seconds for step 4 (106 s on an H200 before the graph tests)
 COST_SCRIPT=benchmarks/micro/verify_cost_gpu.py
 DRAFT_SCRIPT=benchmarks/micro/draft_step_gpu.py
-TESTS=(tests/test_cuda.py tests/test_backends.py)
+TESTS=(tests/test_cuda_graphs.py tests/test_cuda.py tests/test_backends.py)
 CARRY_LIMIT_MIB=${CARRY_LIMIT_MIB:-64}  # what the device tool carries at most
 
 if [ "${1:-}" = "--dry-run" ]; then
@@ -129,7 +130,7 @@ run_step draft_step "$DRAFT_LIMIT" bash -c "set -o pipefail; '$PY' $DRAFT_SCRIPT
   --prefix $PREFIX ${DRAFT_REPEATS:+--repeats $DRAFT_REPEATS} --out '$OUT/draft_step.json' 2>&1 | tee '$OUT/draft_step.txt'"
 
 # 4. The CUDA tests (a skip says what is missing: -rs lists why).
-run_step cuda_tests "$TESTS_LIMIT" bash -c "set -o pipefail; '$PY' -m pytest -q -rs -p no:cacheprovider -m cuda \
+run_step cuda_tests "$TESTS_LIMIT" bash -c "set -o pipefail; '$PY' -m pytest -v -rs --durations=15 -p no:cacheprovider -m cuda \
   ${TESTS[*]} 2>&1 | tee '$OUT/cuda-tests.txt'"
 
 "$PY" - "$OUT/gpu_check.json" "${steps[@]}" <<'EOF'

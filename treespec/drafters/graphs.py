@@ -156,7 +156,7 @@ class _Pass:
         self.tokens.copy_(tokens)
         self.hidden.copy_(hidden)
         self.positions.copy_(positions)
-        self.slots.copy_(torch.arange(kv - n, kv))
+        torch.arange(kv - n, kv, out=self.slots)  # on the buffer's device: no host copy to wait for
         host = self._mask_host
         host.zero_()
         host[:, :cached] = True
