@@ -36,13 +36,12 @@ def fresh_flex():
     would then pass on the fallback's arithmetic. One test process changes dtypes and models
     many times over, which a user's process does not, so each such test starts from a reset
     compiler; mark it ``pytest.mark.filterwarnings("error:flex_attention called without
-    torch.compile")`` so that the fallback fails it. torch warns of the fallback once per process: the record of that is cleared too."""
+    torch.compile")`` so that the fallback fails it (torch warns of it once per process, so
+    that record is cleared too)."""
     from torch.nn.attention import flex_attention as flex
 
     from treespec import attention
 
     torch._dynamo.reset()
     attention._compiled_flex.cache_clear()
-    getattr(flex, "_WARNINGS_SHOWN", set()).discard("flex_attention_performance")
-    yield
     getattr(flex, "_WARNINGS_SHOWN", set()).discard("flex_attention_performance")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import treespec
-from tiny import tiny_model
+from tiny import assert_sessions_draft_alike, tiny_model
 from treespec.drafters import Eagle3Drafter, HybridDrafter, RecordingDrafter
 from treespec.drafters.base import DraftStart
 from treespec.drafters.eagle import EagleHead
@@ -85,16 +85,7 @@ def test_cuda_graphs_replay_the_eager_static_passes():
     sessions = [drafter.start(model, DraftStart([prompt[:n]], [prompt[n]], [feats[:n]], 24, cfg)) for _ in range(2)]
     for s, capture in zip(sessions, (False, True)):
         s.use_static_passes(capture=capture)
-    pos = n
-    for commit in (1, 3, 2, 1, 4):
-        trees = [s.propose([0], [prompt[pos]], [cfg.depth]) for s in sessions]
-        assert torch.equal(trees[0][0].tokens, trees[1][0].tokens)
-        assert torch.equal(trees[0][0].parents, trees[1][0].parents)
-        assert torch.equal(trees[0][0].scores, trees[1][0].scores)
-        for s in sessions:
-            s.commit([0], [prompt[pos + 1: pos + 1 + commit]], [feats[pos: pos + commit]])
-        pos += commit
-        assert torch.equal(sessions[0].root_logp[0], sessions[1].root_logp[0])
+    assert_sessions_draft_alike(sessions, prompt, feats, n, (1, 3, 2, 1, 4), cfg.depth)
     graphs = sessions[1].static.passes
     assert graphs and all(p.graph is not None and p.replays for p in graphs.values())
     assert set(graphs) == set(sessions[0].static.passes)  # one per shape: levels (top_k) and commit sizes

@@ -27,7 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import treespec
-from tiny import dynamic_configs, tiny_model
+from tiny import assert_sessions_draft_alike, dynamic_configs, tiny_model
 from treespec import TreeConfig
 from treespec.drafters.base import DraftStart
 from treespec.drafters.eagle import Eagle3Drafter, EagleDrafter, EagleHead, eagle3_feature_layers
@@ -739,16 +739,8 @@ def test_lean_single_request_pass_drafts_the_general_trees(ckpts, kind, dtype, s
         assert s.lean  # one request, torch backend, CPU
         s.lean = lean
         sessions.append(s)
-    pos = n
-    for commit in data.draw(st.lists(st.integers(1, 4), min_size=1, max_size=4)):
-        trees = [s.propose([0], [full[pos]], [cfg.depth]) for s in sessions]
-        assert torch.equal(trees[0][0].tokens, trees[1][0].tokens)
-        assert torch.equal(trees[0][0].parents, trees[1][0].parents)
-        assert torch.equal(trees[0][0].scores, trees[1][0].scores)
-        for s in sessions:
-            s.commit([0], [full[pos + 1: pos + 1 + commit]], [feats[pos: pos + commit]])
-        pos += commit
-        assert torch.equal(sessions[0].root_logp[0], sessions[1].root_logp[0])
+    commits = data.draw(st.lists(st.integers(1, 4), min_size=1, max_size=4))
+    assert_sessions_draft_alike(sessions, full, feats, n, commits, cfg.depth)
 
 
 # ---- static head passes (the shapes CUDA graphs capture) -----------------------------------------

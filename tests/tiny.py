@@ -70,6 +70,23 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
+def assert_sessions_draft_alike(sessions, tokens, feats, pos: int, commits, depth: int) -> None:
+    """Two draft sessions of one request, started at ``pos``, driven in lockstep: each
+    proposal's trees equal bit for bit (tokens, parents, scores), then both commit the next
+    ``commit`` tokens of ``tokens`` (with their features ``feats``) and their roots' log-probs
+    equal."""
+    a, b = sessions
+    for commit in commits:
+        (ta,), (tb,) = (s.propose([0], [tokens[pos]], [depth]) for s in sessions)
+        assert torch.equal(ta.tokens, tb.tokens)
+        assert torch.equal(ta.parents, tb.parents)
+        assert torch.equal(ta.scores, tb.scores)
+        for s in sessions:
+            s.commit([0], [tokens[pos + 1: pos + 1 + commit]], [feats[pos: pos + commit]])
+        pos += commit
+        assert torch.equal(a.root_logp[0], b.root_logp[0])
+
+
 def save_tiny_lm(path, seed: int = 0, layers: int = 5, chat_template: str | None = None, **extra):
     """A tiny random llama with a small byte-level BPE tokenizer (no chat template unless
     given), saved as a model folder that ``treespec.models.load`` and the CLI's ``--model``

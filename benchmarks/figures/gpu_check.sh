@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GPU check for a bare CUDA machine: installs nothing, fetches nothing, and ends within about
-# 7.5 minutes (each step has a time limit: 110 + 80 + 230 s, each plus at most 10 s to stop). What it needs is the checkout itself (treespec/,
-# tests/, benchmarks/) and a python with torch (CUDA), transformers, triton, pytest and
-# hypothesis; FlashInfer is used when it imports, skipped otherwise.
+# 7.5 minutes (each step has a time limit: 110 + 80 + 230 s, each plus at most 10 s to stop).
+# What it needs is the checkout itself (treespec/, tests/, benchmarks/) and a python with torch
+# (CUDA), transformers, triton, pytest and hypothesis; FlashInfer is used when it imports,
+# skipped otherwise.
 #   1. the environment: GPU, torch, CUDA, transformers, triton, whether flex and FlashInfer run;
 #   2. the verify cost curve and a logits check on a model of Llama-3.1-8B's shape (hidden 4096,
 #      32 layers, 32 heads, 8 KV heads, vocab 128256) with random weights built on the GPU in
