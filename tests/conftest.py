@@ -4,6 +4,22 @@ import pytest
 import torch
 
 
+@pytest.fixture(scope="session", autouse=True)
+def own_cache(tmp_path_factory):
+    """A treespec cache of the tests' own: the cost curves and packing timings they measure on
+    throwaway models stay out of the user's ``~/.cache/treespec`` (or ``$TREESPEC_CACHE``). Its
+    ``models`` folder is the user's, linked, so SmolLM2 is fetched and converted once, not per run."""
+    from treespec.models.common import cache_dir
+
+    models = cache_dir() / "models"
+    models.mkdir(exist_ok=True)
+    own = tmp_path_factory.mktemp("treespec-cache")
+    (own / "models").symlink_to(models, target_is_directory=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TREESPEC_CACHE", str(own))
+        yield own
+
+
 @pytest.fixture
 def one_thread(monkeypatch):
     """Tiny models run faster on one thread, and tests then leave the other core alone."""

@@ -253,7 +253,7 @@ def test_generate_warns_in_one_line_when_the_answer_may_run_past_the_context(cap
                      "--prompt", "Once upon a time " * 10, "--max-new-tokens", "200")
     assert rc == 0, err
     (line,) = [ln for ln in err.splitlines() if "warning" in ln]
-    assert line.startswith("treespec: warning: a prompt of ") and line.endswith("or pass --allow-past-context")
+    assert line.startswith("treespec: warning: a prompt of ") and line.endswith("pass --allow-past-context to go past it without this warning")
 
 
 def test_generate_reads_a_piped_prompt(lm, lm_dir):
@@ -715,7 +715,7 @@ def test_bench_header_states_the_packing_choice(capsys, monkeypatch, tmp_path, t
     assert [c["name"] for c in data["configs"]] == ["hf-generate", "hf-generate+fast", "treespec-ar", "ngram/chain-2"]
     head = " ".join(stdout.split("\n\n")[0].split())  # the lines above the table
     assert ("packing: treespec on plain weights: a 16-token forward (a verify tree) took 55.0 ms packed, 40.0 ms "
-            "plain; a 1-token forward (a decode step, all HF generate runs) 40.0 ms packed, 30.0 ms plain, faster "
+            "plain; a 1-token forward (a decode step, as in HF generate) 40.0 ms packed, 30.0 ms plain, faster "
             "plain (measured now)") in head
     assert f"same-path baseline: {data['same_path_baseline']}, HF generate on" in head
     assert data["same_path_baseline"] in ("hf-generate", "hf-generate+fast")

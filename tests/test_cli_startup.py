@@ -60,6 +60,8 @@ def _one_thread(one_thread):
     (["generate", "--prompt", ""], 2, "--prompt is empty"),
     (["bench", "--max-new-tokens", "0"], 2, "--max-new-tokens must be >= 1"),
     (["generate", "--threads", "0"], 2, "--threads must be >= 1"),
+    (["--version"], 0, "treespec 0."),
+    (["chat", "-v", "--help"], 0, "--verbose"),
 ])
 def test_help_and_usage_errors_import_no_torch(argv, rc, expect):
     code = (f"import sys; from treespec.cli import main; code = main({argv!r}); "
@@ -69,6 +71,13 @@ def test_help_and_usage_errors_import_no_torch(argv, rc, expect):
     assert p.returncode == rc, err
     assert expect in out + err
     assert "HEAVY []" in err, err
+
+
+def test_verbose_goes_before_or_after_the_command():
+    parser = cli.build_parser()
+    argv = ["tree", "show", "auto", "--out", "t.png"]
+    assert [parser.parse_args(a).verbose for a in (argv, ["-v", *argv], ["tree", "-v", *argv[1:]])] == [
+        False, True, True]
 
 
 def test_help_answers_within_a_second():

@@ -19,7 +19,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import GenerationConfig
-from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
+from transformers.generation.logits_process import (LogitsProcessor, LogitsProcessorList,
+                                                   RepetitionPenaltyLogitsProcessor, SuppressTokensLogitsProcessor)
+from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
 import treespec
 from test_sampling_engine import E2E_PROMPT, E2E_V, chi_square, soft_model, twin
@@ -69,9 +71,11 @@ options = st.fixed_dictionaries({}, optional={
 })
 
 
-def hf(model, prompt: list[int], n: int, **kw) -> list[int]:
+def hf(model, prompt: list[int], n: int | None, **kw) -> list[int]:
     ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, **kw)
+    if n is not None:
+        kw["max_new_tokens"] = n
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
     return out[0, len(prompt):].tolist()
 
 
@@ -118,6 +122,65 @@ def test_generation_config_is_read_as_hf_reads_it():
     assert out.sequences[0] == hf(model, prompt, 9, generation_config=gc, do_sample=False)
     with pytest.raises(ValueError, match="set do_sample, temperature"):
         treespec.generate(model, "ngram", "cpu", prompt, generation_config=gc, temperature=0.7)
+
+
+def test_the_token_budget_is_counted_as_generate_counts_it():
+    """max_new_tokens, else max_length less the prompt, from the keywords or (with a
+    generation_config) from the user's and the model's generation configs, as generate reads
+    them; a max_length that leaves no room is refused."""
+    model = target(0)
+    prompt = [3, 4, 5, 3, 4]
+    assert treespec.generate(model, "ngram", "cpu", prompt, max_length=11).sequences[0] == hf(
+        model, prompt, None, do_sample=False, max_length=11)
+    gc = GenerationConfig(max_length=9, repetition_penalty=1.3)
+    assert treespec.generate(model, "ngram", "cpu", prompt, generation_config=gc).sequences[0] == hf(
+        model, prompt, None, generation_config=gc)
+    model.generation_config.max_new_tokens = 5  # the model's own: read with a generation_config only
+    try:
+        gc = GenerationConfig(no_repeat_ngram_size=2)
+        got = treespec.generate(model, "ngram", "cpu", prompt, generation_config=gc).sequences[0]
+        assert got == hf(model, prompt, None, generation_config=gc) and len(got) == 5
+        assert len(treespec.generate(model, "ngram", "cpu", prompt, max_length=14).sequences[0]) == 9
+    finally:
+        model.generation_config.max_new_tokens = None
+    with pytest.raises(ValueError, match="max_length=5 leaves no room"):
+        treespec.generate(model, "ngram", "cpu", prompt, max_length=5)
+
+
+def test_an_eos_given_beside_a_generation_config_is_the_one_its_processors_ban():
+    model = target(0)
+    prompt = [3, 4, 5, 3, 4]
+    eos = hf(model, prompt, 3, do_sample=False)[1]  # a token greedy decoding emits early
+    gc = GenerationConfig(min_new_tokens=6, max_new_tokens=12)
+    want = hf(model, prompt, None, generation_config=gc, eos_token_id=eos)
+    assert eos not in want[:6]
+    assert treespec.generate(model, drafter("twin", 0), "cpu", prompt, generation_config=gc,
+                             eos_token_id=eos).sequences[0] == want
+
+
+class EndAtLength(StoppingCriteria):
+    def __init__(self, length: int):
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool)
+
+
+def test_stopping_criteria_and_max_time_end_a_request_as_in_generate():
+    """A user's criterion is asked after every committed token, mid-path included; max_time
+    counts from the call (a tiny one ends after the first token, as in generate)."""
+    model = target(1)
+    prompt = [3, 1, 4, 1, 5]
+    crit = StoppingCriteriaList([EndAtLength(len(prompt) + 4)])
+    want = hf(model, prompt, 12, do_sample=False, stopping_criteria=crit)
+    assert len(want) == 4
+    for tree in ("cpu", "chain-3"):
+        assert treespec.generate(model, drafter("twin", 1), tree, prompt, max_new_tokens=12,
+                                 stopping_criteria=crit).sequences[0] == want
+    assert treespec.generate(model, "ngram", "cpu", prompt, max_new_tokens=12, max_time=1e-9).sequences[0] == hf(
+        model, prompt, 12, do_sample=False, max_time=1e-9)
+    with pytest.raises(ValueError, match="stopping_criteria holds"):
+        treespec.generate(model, "ngram", "cpu", prompt, stopping_criteria=[lambda ids, scores: True])
 
 
 class BanAfter(LogitsProcessor):
@@ -260,6 +323,24 @@ def test_custom_generate_is_a_drop_in_for_model_generate(kind):
     with pytest.raises(ValueError, match="output_scores"):
         model.generate(ids, attention_mask=mask, max_new_tokens=2, output_scores=True, return_dict_in_generate=True,
                        custom_generate=treespec.custom_generate("ngram", "cpu"))
+
+
+def test_custom_generate_keeps_the_users_processors_and_criteria_and_refuses_beams():
+    """A user's processors of transformers' own types (one replacing what the config builds),
+    a user's stopping criterion and max_time reach the drop-in as they reach generate; beam
+    search and the rest that cannot be exact are refused, not run greedily."""
+    model = target(0)
+    ids = torch.tensor([[5, 9, 5, 9, 2]])
+    decode = treespec.custom_generate(drafter("twin", 0), "cpu")
+    procs = LogitsProcessorList([SuppressTokensLogitsProcessor([3, 7]), RepetitionPenaltyLogitsProcessor(2.0)])
+    crit = StoppingCriteriaList([EndAtLength(ids.shape[1] + 7)])
+    for kw in (dict(logits_processor=procs, repetition_penalty=1.1), dict(stopping_criteria=crit),
+               dict(max_time=1e-9), dict(logits_processor=procs, stopping_criteria=crit, no_repeat_ngram_size=2)):
+        kw = dict(max_new_tokens=10, do_sample=False, **kw)
+        assert torch.equal(model.generate(ids, custom_generate=decode, **kw), model.generate(ids, **kw)), kw
+    for kw in (dict(num_beams=3), dict(do_sample=True, num_return_sequences=2), dict(guidance_scale=2.0)):
+        with pytest.raises(ValueError, match="cannot run under speculation"):
+            model.generate(ids, max_new_tokens=4, custom_generate=decode, **kw)
 
 
 def test_custom_generate_samples_with_the_seed_torch_was_given():

@@ -24,10 +24,11 @@ import copy
 from typing import Callable
 
 import torch
-from transformers.generation.stopping_criteria import StopStringCriteria
+from transformers.generation.logits_process import LogitsProcessorList, PrefixConstrainedLogitsProcessor
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
 from .engine import _checked_run, _loop, _seeds
-from .processing import NodeProcessor, RequestDecoding
+from .processing import NodeProcessor, RequestDecoding, _checked
 
 __all__ = ["custom_generate"]
 
@@ -42,6 +43,7 @@ def custom_generate(draft, tree_cfg="auto", *, attention_backend: str = "auto", 
     def decode(model, input_ids: torch.Tensor, logits_processor, stopping_criteria, generation_config,
                synced_gpus: bool = False, streamer=None, **model_kwargs):
         gc = generation_config
+        _checked(model, gc)  # beam search and the rest that cannot be exact: refused, as treespec.generate does
         for name in _NOT_RETURNED:
             if getattr(gc, name, False):
                 raise ValueError(f"{name}=True: treespec's decoding returns sequences only")
@@ -54,15 +56,20 @@ def custom_generate(draft, tree_cfg="auto", *, attention_backend: str = "auto", 
         prompts = [r[p:] for r, p in zip(rows, pads)]
         width = input_ids.shape[1]
         max_new = gc.max_new_tokens if gc.max_new_tokens is not None else gc.max_length - width
-        stop = next((c for c in stopping_criteria if isinstance(c, StopStringCriteria)), None)
+        # The budget and EOS end rows in the loop; the other criteria (stop strings, max_time, the
+        # user's) are asked after every committed token.
+        stop = StoppingCriteriaList(c for c in stopping_criteria
+                                    if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))) or None
         run, max_new = _checked_run(model, draft, tree_cfg, prompts, max_new, 0.0, None, None, None, None,
                                     gc.eos_token_id, attention_backend, auto_profile, None, None, None, False, {})
         runner, drafter, cfg, prompts, _, eos = run
         seeds = _seeds(None, len(prompts)) if gc.do_sample else [None] * len(prompts)
-        # The processors transformers built hold this batch's shape (a repetition penalty keeps
-        # each row's padding length): build each row's own from the same config instead, with
-        # the user's processors (those not transformers' own) after them.
-        user = [p for p in logits_processor if not type(p).__module__.startswith("transformers.")]
+        # The processors transformers built hold this batch's shape (a minimum length counts the
+        # padding): build each row's own from the same config instead, with the user's.
+        user = _users_processors(model, gc, input_ids, logits_processor, model_kwargs)
+        if len(prompts) > 1 and any(isinstance(p, PrefixConstrainedLogitsProcessor) for p in user):
+            raise ValueError("prefix_allowed_tokens_fn is called with each row's batch index: custom_generate "
+                             "decodes row by row, so give it one prompt at a time")
         decodings = []
         for p, s in zip(prompts, seeds):
             row_cfg = copy.copy(gc)
@@ -91,3 +98,35 @@ def custom_generate(draft, tree_cfg="auto", *, attention_backend: str = "auto", 
         return sequences
 
     return decode
+
+
+def _users_processors(model, config, input_ids: torch.Tensor, merged, model_kwargs: dict) -> list:
+    """The processors of ``merged`` (what ``generate`` built from ``config``, the user's
+    ``logits_processor`` merged in) that the user gave: those ``generate`` would not build from
+    the config alone. A user's processor of a type the config also builds replaced that one
+    (transformers' merge) and counts as the user's when it is parameterised differently."""
+    own = model._get_logits_processor(
+        generation_config=config, input_ids_seq_length=input_ids.shape[1], encoder_input_ids=input_ids,
+        prefix_allowed_tokens_fn=None, logits_processor=LogitsProcessorList(), device=input_ids.device,
+        model_kwargs=model_kwargs)
+    return [p for p in merged if not any(type(p) is type(o) and _same(p, o) for o in own)]
+
+
+def _same(a, b) -> bool:
+    """Whether two processors of one type hold equal parameters (tensors compared by value)."""
+    va, vb = vars(a), vars(b)
+    if va.keys() != vb.keys():
+        return False
+    for k, x in va.items():
+        y = vb[k]
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape
+                    and torch.equal(x.cpu(), y.cpu())):
+                return False
+            continue
+        try:
+            if not bool(x == y):
+                return False
+        except (TypeError, ValueError, RuntimeError):  # values with no plain equality
+            return False
+    return True

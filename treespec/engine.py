@@ -25,7 +25,8 @@ from typing import Iterator, Mapping, Sequence
 import numpy as np
 import torch
 from transformers import GenerationConfig
-from transformers.generation.stopping_criteria import StopStringCriteria
+from transformers.generation.stopping_criteria import (MaxTimeCriteria, StoppingCriteria, StoppingCriteriaList,
+                                                       StopStringCriteria)
 
 from .auto import AutoController, AutoProfile
 from .config import TreeConfig
@@ -322,16 +323,14 @@ def _seeds(seed, n: int) -> list[int]:
 
 
 def _decodings(model, prompts: list[list[int]], eos: set[int], max_new: int, temperature, top_k, top_p, min_p, seed,
-               generation_config, logits_processor, tokenizer, options: dict) -> list[RequestDecoding]:
-    """Each request's processors and seed, from treespec's keyword arguments (exactly the
-    options given) or from a ``generation_config`` (transformers' semantics: the model's
-    generation config and transformers' defaults under it)."""
+               resolved: GenerationConfig | None, logits_processor, stopping_criteria, tokenizer,
+               options: dict) -> list[RequestDecoding]:
+    """Each request's processors, stopping criteria and seed, from treespec's keyword
+    arguments (exactly the options given) or from a ``resolved`` generation config
+    (transformers' semantics: :func:`resolve_generation_config`)."""
     n = len(prompts)
-    if generation_config is not None:
-        if not (isinstance(temperature, numbers.Real) and temperature == 0) or any(
-                v is not None for v in (top_k, top_p, min_p)):
-            raise ValueError("with generation_config, set do_sample, temperature, top_k, top_p and min_p in it")
-        configs = [resolve_generation_config(model, generation_config, **options)] * n
+    if resolved is not None:
+        configs = [resolved] * n
     else:
         for name in ("do_sample", "attention_mask"):
             if name in options:
@@ -346,11 +345,7 @@ def _decodings(model, prompts: list[list[int]], eos: set[int], max_new: int, tem
             fields[p] = exact_generation_config(model, eos_token_id=sorted(eos) or None, **warpers, **options)
         configs = [fields[p] for p in params]
     seeds = _seeds(seed, n)
-    stop = None
-    if configs[0].stop_strings:
-        if tokenizer is None:
-            raise ValueError("stop_strings needs the tokenizer (tokenizer=...), as model.generate does")
-        stop = StopStringCriteria(tokenizer, configs[0].stop_strings)
+    stop = _stopping(configs[0], stopping_criteria, tokenizer)
     out = []
     for c, p, s in zip(configs, prompts, seeds):
         c = copy.copy(c)
@@ -358,6 +353,50 @@ def _decodings(model, prompts: list[list[int]], eos: set[int], max_new: int, tem
         out.append(RequestDecoding(NodeProcessor.build(model, c, len(p), logits_processor),
                                    s if c.do_sample else None, stop))
     return out
+
+
+def _stopping(config: GenerationConfig, criteria, tokenizer) -> StoppingCriteriaList | None:
+    """What ends a request besides EOS and the token budget, as ``generate`` builds it: stop
+    strings, ``max_time`` (counted from now) and the user's own ``stopping_criteria``; each is
+    asked after every committed token, with that token's sequence (``scores`` None)."""
+    out = StoppingCriteriaList()
+    if config.max_time is not None:
+        out.append(MaxTimeCriteria(config.max_time))
+    if config.stop_strings:
+        if tokenizer is None:
+            raise ValueError("stop_strings needs the tokenizer (tokenizer=...), as model.generate does")
+        out.append(StopStringCriteria(tokenizer, config.stop_strings))
+    for c in criteria or ():
+        if not isinstance(c, StoppingCriteria):
+            raise ValueError(f"stopping_criteria holds transformers StoppingCriteria, got {type(c).__name__}")
+        out.append(c)
+    return out or None
+
+
+def _budget(model, prompts: list[list[int]], max_new_tokens, generation_config, options: dict) -> int:
+    """New tokens per request, as ``model.generate`` counts them: ``max_new_tokens`` (the
+    argument, else the options' or generation configs'), else ``max_length`` less the longest
+    prompt (the width of the padded batch ``generate`` would see), else 128. The model's own
+    generation config counts only with a ``generation_config``, as for every option."""
+    if max_new_tokens is None:
+        sources = [options] + ([generation_config.to_dict(), model.generation_config.to_dict()]
+                               if generation_config is not None else [])
+
+        def first(name):
+            return next((s[name] for s in sources if s.get(name) is not None), None)
+
+        max_new_tokens, limit = first("max_new_tokens"), first("max_length")
+        if max_new_tokens is None and limit is not None:
+            longest = max(map(len, prompts))
+            if limit - longest < 1:
+                raise ValueError(f"max_length={limit} leaves no room for a new token after a prompt of {longest} "
+                                 "tokens: raise it, or give max_new_tokens")
+            max_new_tokens = limit - longest
+    if max_new_tokens is None:
+        max_new_tokens = 128
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    return max_new_tokens
 
 
 def _sampling_params(temperature, top_k, top_p, min_p, n: int) -> list[SamplingParams]:
@@ -427,10 +466,6 @@ def _checked_run(model, draft, tree_cfg, input_ids, max_new_tokens, temperature,
     the loop runs on, ``(runner, drafter, cfg, prompts, decodings, eos)``, and the token budget."""
     if generation_config is not None and not isinstance(generation_config, GenerationConfig):
         raise ValueError(f"generation_config must be a transformers GenerationConfig, got {type(generation_config).__name__}")
-    if max_new_tokens is None:
-        max_new_tokens = getattr(generation_config, "max_new_tokens", None) or 128
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     cfg = TreeConfig.preset(tree_cfg) if isinstance(tree_cfg, str) else tree_cfg
     if not isinstance(cfg, TreeConfig):
         raise ValueError(f"tree_cfg must be a TreeConfig or a preset name, got {type(tree_cfg).__name__}")
@@ -438,11 +473,21 @@ def _checked_run(model, draft, tree_cfg, input_ids, max_new_tokens, temperature,
     prompts, _ = _prompts(input_ids)
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    if eos_token_id is None and generation_config is not None:
-        eos_token_id = generation_config.eos_token_id
+    options = dict(options)
+    criteria = options.pop("stopping_criteria", None)
+    max_new_tokens = _budget(model, prompts, max_new_tokens, generation_config, options)
+    resolved = None
+    if generation_config is not None:
+        if not (isinstance(temperature, numbers.Real) and temperature == 0) or any(
+                v is not None for v in (top_k, top_p, min_p)):
+            raise ValueError("with generation_config, set do_sample, temperature, top_k, top_p and min_p in it")
+        if eos_token_id is not None:  # as generate(generation_config=..., eos_token_id=...) takes it
+            options["eos_token_id"] = eos_token_id
+        resolved = resolve_generation_config(model, generation_config, **options)
+        eos_token_id = resolved.eos_token_id
     eos = _eos_set(model, eos_token_id)
-    decodings = _decodings(model, prompts, eos, max_new_tokens, temperature, top_k, top_p, min_p, seed, generation_config,
-                           logits_processor, tokenizer, options)
+    decodings = _decodings(model, prompts, eos, max_new_tokens, temperature, top_k, top_p, min_p, seed, resolved,
+                           logits_processor, criteria, tokenizer, options)
     if cfg.auto and len({d.greedy for d in decodings}) > 1:
         raise ValueError(
             "an auto tree calibrates greedy and sampled acceptance separately: give one batch one "
@@ -502,7 +547,8 @@ def _check_context(prompts: list[list[int]], max_new: int, max_pos: int | None, 
     if longest + max_new > max_pos:
         warn(f"a prompt of {longest} tokens plus max_new_tokens={max_new} reaches past the model's context of "
              f"{max_pos} positions (max_position_embeddings): past it the output may degrade, and no tree is "
-             "drafted (one token per step); lower max_new_tokens, or pass allow_past_context=True")
+             "drafted (one token per step). Generating anyway; lower max_new_tokens to stay inside it, or pass "
+             "allow_past_context=True to go past it without this warning")
 
 
 class _AcceptanceWatch:
@@ -847,9 +893,10 @@ def generate(
                     (no speculation: autoregressive decoding through treespec's runner).
         tree_cfg:   a :class:`TreeConfig` or a preset name (``treespec.PRESETS``).
         input_ids:  one prompt (1-D tensor or list of ints) or a list of prompts of any lengths.
-        max_new_tokens: per request (default: ``generation_config.max_new_tokens`` if set, else
-                    128); EOS (``eos_token_id``, else the generation config's or the model's)
-                    ends a request early and is kept in its output.
+        max_new_tokens: per request (default: the ``max_new_tokens`` of the options or, with a
+                    ``generation_config``, of it and the model's generation config; else their
+                    ``max_length`` less the longest prompt; else 128); EOS (``eos_token_id``, else
+                    the generation config's or the model's) ends a request early and is kept.
         temperature, top_k, top_p, min_p: sampling (``temperature=0`` is greedy).
                     ``temperature`` may give one value per request (0: that request is
                     greedy; top_k/top_p/min_p apply to the sampled ones), as a batch of
@@ -895,9 +942,11 @@ def generate(
                     (docs/runtime.md, "Prefix caching").
         **options:  fields of ``GenerationConfig`` (``repetition_penalty=1.1``,
                     ``no_repeat_ngram_size=4``, ``min_new_tokens``, ``bad_words_ids``,
-                    ``sequence_bias``, ``suppress_tokens``, ``typical_p``, ...): exactly those
-                    given, as the sampling arguments are. Options that cannot be exact on trees
-                    (beam search, guidance, ...) raise a ValueError that names them.
+                    ``sequence_bias``, ``suppress_tokens``, ``typical_p``, ``max_time``, ...):
+                    exactly those given, as the sampling arguments are; and
+                    ``stopping_criteria``, transformers ``StoppingCriteria`` asked after every
+                    committed token. Options that cannot be exact on trees (beam search,
+                    guidance, ...) raise a ValueError that names them.
     Returns:
         :class:`GenerateOutput` with ``sequences`` and ``metrics``.
     """

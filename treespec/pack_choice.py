@@ -135,7 +135,7 @@ class PackingChoice:
 
         when = "measured now" if self.source == "measured" else "measured by an earlier run, cached"
         return (f"treespec on {weights} weights: a {t.tokens[-1]}-token forward (a verify tree) took {took(-1)}; "
-                f"a {t.tokens[0]}-token forward (a decode step, all HF generate runs) {took(0)}, faster "
+                f"a {t.tokens[0]}-token forward (a decode step, as in HF generate) {took(0)}, faster "
                 f"{'packed' if self.decode_packed else 'plain'} ({when})")
 
     def to_json(self) -> dict:
@@ -203,11 +203,11 @@ def choose_packing(model, *more, keep: bool = False,
     times = None if refresh else _cached_times(key)
     if times is not None and not keep and not PackingChoice.from_times(times).pack:
         choice = PackingChoice.from_times(times, "cached")  # nothing to pack: the copies are never made
-        log.info("%s", choice.describe())
+        log.debug("%s", choice.describe())
         return choice, None
     packed = PackedLinears(model, *more)
     choice = PackingChoice.from_times(times, "cached") if times is not None else _measure(model, packed, key)
-    log.info("%s", choice.describe())
+    (log.info if choice.source == "measured" else log.debug)("%s", choice.describe())  # news only when measured
     return choice, packed if choice.pack or keep else None
 
 

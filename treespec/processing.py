@@ -54,6 +54,11 @@ UNSUPPORTED = {
     "encoder_repetition_penalty": "decoder-only models have no encoder input",
     "encoder_no_repeat_ngram_size": "decoder-only models have no encoder input",
     "forced_bos_token_id": "the first token is the prompt's; a forced BOS applies to encoder-decoder models",
+    "token_healing": "token healing rewrites the prompt's last tokens before decoding: heal the prompt first",
+    "force_words_ids": "forced words need constrained beam search",
+    "constraints": "constraints need constrained beam search",
+    "assistant_early_exit": "early-exit self-speculation is another draft: pass treespec's draft instead",
+    "speculation_type": "treespec is the speculation: pass the draft to treespec.generate",
     "assistant_model": "treespec is the assisted generation: pass the draft to treespec.generate",
     "prompt_lookup_num_tokens": "treespec has its own prompt lookup: draft='ngram' or '<head>+lookup'",
     "output_logits": "treespec returns the processed scores (output_scores=True), not the raw logits",
@@ -244,20 +249,22 @@ class RequestDecoding:
         seed:      None: greedy (the argmax of the processed logits); else the seed of the
                    noise that makes each position's choice a sample.
         stop:      None, or a callable ``(input_ids [1, L], scores) -> bool [1]`` that says the
-                   sequence ends here (transformers' ``StopStringCriteria``).
+                   sequence ends here (transformers' stopping criteria: stop strings,
+                   ``max_time``, the user's own), asked with ``scores`` None.
     """
 
     processor: NodeProcessor
     seed: int | None = None
-    stop: Callable | None = None  # transformers' StopStringCriteria for stop_strings
+    stop: Callable | None = None  # a StoppingCriteriaList
 
     @property
     def greedy(self) -> bool:
         return self.seed is None
 
     def stops(self, sequence: list[int]) -> bool:
-        """Whether ``sequence`` (prompt and output so far) ends with one of the stop strings,
-        across token boundaries, as ``generate(stop_strings=...)`` decides."""
+        """Whether the request ends after ``sequence`` (prompt and output so far), as
+        ``generate``'s stopping criteria decide after its last token (a stop string across
+        token boundaries, for one)."""
         return self.stop is not None and bool(self.stop(torch.tensor([sequence]), None)[0])
 
     def choose(self, history: Sequence[int], logits: torch.Tensor, tree: Tree | None = None) -> torch.Tensor:

@@ -34,7 +34,8 @@ class SamplingParams:
         if not isinstance(t, (int, float)) or t != t or t < 0 or t == float("inf"):
             raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
         if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
-            raise ValueError(f"top_k must be a positive int or None, got {self.top_k!r}")
+            raise ValueError(f"top_k must be a positive int, got {self.top_k!r}: leave it unset (None; on the "
+                             "command line, no --top-k) to sample from the whole vocabulary")
         if self.top_p is not None and not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.min_p is not None and not (0.0 <= self.min_p <= 1.0):

@@ -85,10 +85,24 @@ class _LazyCommands(argparse._SubParsersAction):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="treespec", description="tree-attention speculative decoding")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    parser.add_argument("--version", action="version", version=f"treespec {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, action=_LazyCommands)
     for name, help in COMMANDS.items():
-        sub.add_parser(name, help=help, formatter_class=_Help)
+        command = sub.add_parser(name, help=help, formatter_class=_Help)
+        # -v after the command too; SUPPRESS keeps one given before it
+        command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                             help="log progress details")
     return parser
+
+
+def _version() -> str:
+    """The installed treespec's version, read without importing treespec (and torch)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("treespec")
+    except PackageNotFoundError:
+        return "(not installed)"
 
 
 def main(argv=None) -> int:
@@ -158,10 +172,10 @@ def _main(argv) -> int:
     args.argv = argv
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    # What a first run waits on is said, -v or not: auto measures this machine's verify costs,
-    # and the packing choice (measured once) says which weights treespec runs on.
+    # What a first run waits on is said, -v or not: auto measuring this machine's verify costs,
+    # and the packing choice when it is measured (-v: also the cached one it read).
     logging.getLogger("treespec.costs").setLevel(logging.INFO)
-    logging.getLogger("treespec.pack_choice").setLevel(logging.INFO)
+    logging.getLogger("treespec.pack_choice").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     try:
         check_early(args)  # mistakes that need no torch answer at once
         _import_torch()

@@ -9,8 +9,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from .common import (DEFAULT_DRAFT, DEFAULT_SPEC, DEFAULT_TREE, Bars, UserError, add_auto_profile, add_dataset,
-                     add_model, add_runtime, add_sampling, auto_profile, generation_options, log,
+from .common import (DEFAULT_DRAFT, DEFAULT_SPEC, DEFAULT_TREE, DRAFT_HELP, Bars, UserError, add_auto_profile,
+                     add_dataset, add_model, add_runtime, add_sampling, auto_profile, generation_options, log,
                      portable)
 
 # The configurations run when none is asked for: generate's default (the hybrid with auto
@@ -30,9 +30,7 @@ def add_arguments(p):
         "start-up measurement chose (--pack: packed), as the header says.")
     add_model(p)
     p.add_argument("--draft", action="append", default=None,
-                   help="draft to run (repeatable): a shipped head name, head directory, 'ngram' or "
-                        f"'model:NAME', with '+lookup' grafting prompt lookup onto a model drafter's trees "
-                        f"(default: {DEFAULT_SPEC})")
+                   help=f"draft to run (repeatable): {DRAFT_HELP} (default: {DEFAULT_SPEC})")
     p.add_argument("--tree", action="append", default=None,
                    help=f"tree to run with each draft (repeatable): preset or JSON file (default: {DEFAULT_TREE})")
     p.add_argument("--chain", type=int, default=None, metavar="K",
@@ -159,7 +157,7 @@ def run(args):
         out.write_text(json.dumps(data, indent=2) + "\n")
         # The table as printed, beside the JSON: a clean text record (no progress bars).
         out.with_suffix(".txt").write_text(f"$ {data['command']}\n{report}")
-        print(f"wrote {out} and {out.with_suffix('.txt').name}")
+        print(f"wrote {out} and {out.with_suffix('.txt')}")
     if args.plot_dir:
         prefix = args.plot_prefix if args.plot_prefix is not None else f"{Path(args.out).stem}-" if args.out else "bench-"
         for path in save_plots(data, args.plot_dir, prefix):

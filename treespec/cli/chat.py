@@ -23,8 +23,9 @@ from .prompt import add_system, check_system
 
 PROMPT = ">>> "
 HELP = """\
-/stats   each answer so far: prompt tokens, of them served by the prefix cache (hit), new tokens,
-         time to first token, tokens/s after it, tau (mean tokens committed per target forward)
+/stats   each answer of the session (/reset keeps them): prompt tokens, of them served by the
+         prefix cache (hit), new tokens, time to first token, tokens/s after it, tau (mean tokens
+         committed per target forward)
 /reset   forget the conversation (the system prompt stays)
 /help    this list
 /exit    end the session (or /quit, Ctrl-D, Ctrl-C at the prompt)
@@ -83,6 +84,7 @@ class Turn:
     rate: float | None  # tokens/s after the first token (None: one token)
     tau: float | None  # mean tokens committed per target forward (None: no forward after prefill)
     stopped: bool  # by Ctrl-C
+    ended: bool = False  # by an EOS (not by the token budget or Ctrl-C)
 
 
 class Chat:
@@ -97,6 +99,8 @@ class Chat:
         self.stats: list[Turn] = []
         self.tty = sys.stdin.isatty()
         self.context = getattr(self.model.config, "max_position_embeddings", None)
+        eos = self.model.generation_config.eos_token_id
+        self.eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
 
     def loop(self) -> str:
         """Lines until the session ends; returns why it ended."""
@@ -113,7 +117,7 @@ class Chat:
             line = line.strip()
             try:
                 if line in ("/exit", "/quit"):
-                    return "/exit"
+                    return line
                 if line.startswith("/"):
                     self.command(line)
                 elif line:
@@ -168,6 +172,9 @@ class Chat:
         elif budget < wanted and turn.tokens == budget:
             print(f"treespec: the answer reached the model's context of {self.context} tokens: /reset starts a new "
                   "conversation", file=sys.stderr, flush=True)
+        elif turn.tokens == wanted and not turn.ended:
+            print(f"treespec: the answer was cut at --max-new-tokens ({wanted}); it stays in the conversation as shown",
+                  file=sys.stderr, flush=True)
         if answer or not stopped:
             self.history.append((text, answer))
 
@@ -179,7 +186,7 @@ class Chat:
 
         shown = TextStream(self.tokenizer, sys.stdout)
         options = {**self.options, "max_new_tokens": budget, "prefix_cache": self.cache}
-        metrics, ttft, stopped = None, 0.0, False
+        metrics, ttft, stopped, last = None, 0.0, False, None
         start = time.perf_counter()
         steps = stream(self.model, self.drafter, self.cfg, ids, tokenizer=self.tokenizer, **options)
         try:
@@ -189,6 +196,7 @@ class Chat:
                         ttft = time.perf_counter() - start
                     metrics = out.metrics
                     shown.push(out.tokens[0])
+                    last = out.tokens[0][-1] if out.tokens[0] else last
             shown.push([], final=True)
         except KeyboardInterrupt:
             stopped = True
@@ -201,7 +209,7 @@ class Chat:
         hits = None if self.cache is None else r.hit_tokens
         return answer, Turn(len(ids), hits, r.num_generated, ttft,
                             metrics.decode_tokens_per_second if r.num_generated > 1 else None,
-                            r.mean_accepted_length if r.accepted else None, stopped), stopped
+                            r.mean_accepted_length if r.accepted else None, stopped, last in self.eos), stopped
 
 
 def stats_table(stats: list[Turn]) -> str:

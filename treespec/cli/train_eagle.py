@@ -7,6 +7,9 @@ from .common import Bars, UserError, add_model
 
 
 def add_arguments(p):
+    p.description = ("Train an EAGLE draft head for the target: on a JSONL file or a packaged dataset (the target's "
+                     "features captured first) or on treespec capture folders; resumes from --out "
+                     "(docs/training.md).")
     add_model(p)
     p.add_argument("--data", default=None, help="JSONL with question/answer, prompt/completion, messages or text, "
                    "or a packaged dataset: gsm8k-train (GSM8K train, shipped with treespec); not with --captured")
