@@ -399,3 +399,14 @@ def test_a_near_tie_is_judged_on_the_processed_scores():
     processed = classify_divergence(model, prompt, [second], [first], 1e-2, proc)
     assert not raw_judged.near_tie and raw_judged.fp32_shortfall > 0.5
     assert processed.near_tie and processed.fp32_shortfall < 1e-3
+
+
+def test_a_numpy_integer_seed_is_a_seed():
+    import numpy as np
+
+    model = target(1)
+    kw = dict(max_new_tokens=8, temperature=0.9)
+    want = treespec.generate(model, "ngram", "cpu", [3, 1, 4], seed=5, **kw).sequences
+    assert treespec.generate(model, "ngram", "cpu", [3, 1, 4], seed=np.int64(5), **kw).sequences == want
+    with pytest.raises(ValueError, match="seed must be an int or one int per request"):
+        treespec.generate(model, "ngram", "cpu", [3, 1, 4], seed=0.5, **kw)

@@ -316,7 +316,12 @@ def _seeds(seed, n: int) -> list[int]:
     torch's global generator, so that ``torch.manual_seed`` makes a run repeatable."""
     if seed is None:
         return torch.randint(0, 2**62, (n,)).tolist()
-    seeds = [seed + i for i in range(n)] if isinstance(seed, int) else [int(s) for s in seed]
+    if isinstance(seed, numbers.Integral) and not isinstance(seed, bool):
+        seeds = [int(seed) + i for i in range(n)]
+    elif isinstance(seed, (str, bytes, bool)) or not hasattr(seed, "__iter__"):
+        raise ValueError(f"seed must be an int or one int per request, got {seed!r}")
+    else:
+        seeds = [int(s) for s in seed]
     if len(seeds) != n:
         raise ValueError(f"seed gives {len(seeds)} seeds for {n} requests")
     return seeds
