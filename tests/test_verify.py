@@ -366,3 +366,13 @@ def test_verify_sampling_rejects_short_uniforms():
         verify_sampling([TREE], probs, torch.rand(1, D + 1, 3))  # C = 2 < 3 children
     with pytest.raises(ValueError, match="depth"):
         verify_sampling([TREE], probs, torch.rand(1, D, C + 1))
+
+
+def test_verify_sampling_refuses_a_child_its_draft_could_not_sample():
+    """A child whose token has draft probability 0 could not have been sampled from q: the
+    rule's ratio r/q is undefined there, so the call is refused, not decided."""
+    probs = PARAMS["t0.7"].probs(logits())[None]
+    q = torch.full_like(probs, 1.0 / V)
+    q[0, 0, int(TREE.tokens[1])] = 0.0
+    with pytest.raises(ValueError, match="draft probability 0"):
+        verify_sampling([TREE], probs, torch.rand(1, D + 1, C + 1), draft_probs=q)

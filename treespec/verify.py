@@ -168,7 +168,7 @@ def verify_sampling(
                       depth ``d``; entry ``[b, d, C]`` samples the bonus. Drawing them per
                       request from its own generator keeps requests independent.
         draft_probs:  float ``[B, n_max, V]`` or None: the distribution each node's children
-                      were sampled from.
+                      were sampled from (a child it gives probability 0: ValueError).
     """
     device = target_probs.device
     pt = pad_trees(trees, device)
@@ -201,6 +201,11 @@ def verify_sampling(
                 rej = test & ~acc
                 r[rej, x[rej]] = 0
             else:
+                if (test & ~(q[arange_b, x] > 0)).any():
+                    b = int(torch.nonzero(test & ~(q[arange_b, x] > 0))[0])
+                    raise ValueError(f"tree {b}: a child's token {int(x[b])} has draft probability 0 at its parent "
+                                     "(after its rejected siblings' removal): draft_probs must be the distribution "
+                                     "the children were sampled from, without replacement")
                 qx = q[arange_b, x] / q.sum(-1)
                 acc = test & (u * qx * r.sum(-1) < rx)  # u < min(1, r/q)
                 rej = test & ~acc
