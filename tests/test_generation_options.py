@@ -20,8 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import GenerationConfig
 from transformers.generation.logits_process import (LogitsProcessor, LogitsProcessorList,
-                                                   RepetitionPenaltyLogitsProcessor, SuppressTokensLogitsProcessor)
-from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
+                                                   RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor,
+                                                   SuppressTokensLogitsProcessor)
+from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList
 
 import treespec
 from test_sampling_engine import E2E_PROMPT, E2E_V, chi_square, soft_model, twin
@@ -341,6 +342,37 @@ def test_custom_generate_keeps_the_users_processors_and_criteria_and_refuses_bea
     for kw in (dict(num_beams=3), dict(do_sample=True, num_return_sequences=2), dict(guidance_scale=2.0)):
         with pytest.raises(ValueError, match="cannot run under speculation"):
             model.generate(ids, max_new_tokens=4, custom_generate=decode, **kw)
+
+
+def test_custom_generate_on_a_padded_batch_asks_criteria_of_the_padded_row():
+    """A length criterion and a user's MaxLengthCriteria count a row's padding, as generate
+    counts it; min_new_tokens counts new tokens only (it bans an EOS inside its window, no
+    longer); two user processors of one type, one equal to the config's, both apply."""
+    model = target(0)
+    decode = treespec.custom_generate("ngram", "cpu")
+    ids = torch.tensor([[0, 0, 0, 5, 9, 5], [1, 2, 3, 4, 5, 6]])
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1], [1] * 6])
+    for crit in (EndAtLength(10), MaxLengthCriteria(11)):
+        kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
+                  stopping_criteria=StoppingCriteriaList([crit]))
+        assert torch.equal(model.generate(ids, custom_generate=decode, **kw), model.generate(ids, **kw))
+    for seed in range(40):  # a row whose greedy answer has an EOS just past min_new_tokens
+        g = torch.Generator().manual_seed(seed)
+        short, full = torch.randint(1, V, (3,), generator=g).tolist(), torch.randint(1, V, (6,), generator=g).tolist()
+        alone = hf(model, short, 12, do_sample=False)
+        if alone[6] not in alone[:6]:
+            break
+    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, min_new_tokens=6, eos_token_id=alone[6],
+              pad_token_id=0)
+    ids = torch.tensor([[0, 0, 0, *short], full])
+    got = model.generate(ids, custom_generate=decode, **kw)
+    assert torch.equal(got, model.generate(ids, **kw)) and got[0, 6:13].tolist() == alone[:7]
+    bias = lambda: LogitsProcessorList([SequenceBiasLogitsProcessor({(47,): -100.0}),  # noqa: E731
+                                        SequenceBiasLogitsProcessor({(20,): -100.0})])
+    ids = torch.tensor([[5, 9, 5, 9, 2]])
+    kw = dict(max_new_tokens=8, do_sample=False, sequence_bias={(47,): -100.0})
+    assert torch.equal(model.generate(ids, custom_generate=decode, logits_processor=bias(), **kw),
+                       model.generate(ids, logits_processor=bias(), **kw))
 
 
 def test_custom_generate_samples_with_the_seed_torch_was_given():

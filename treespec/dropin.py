@@ -56,26 +56,34 @@ def custom_generate(draft, tree_cfg="auto", *, attention_backend: str = "auto", 
         prompts = [r[p:] for r, p in zip(rows, pads)]
         width = input_ids.shape[1]
         max_new = gc.max_new_tokens if gc.max_new_tokens is not None else gc.max_length - width
-        # The budget and EOS end rows in the loop; the other criteria (stop strings, max_time, the
-        # user's) are asked after every committed token.
-        stop = StoppingCriteriaList(c for c in stopping_criteria
-                                    if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))) or None
         run, max_new = _checked_run(model, draft, tree_cfg, prompts, max_new, 0.0, None, None, None, None,
                                     gc.eos_token_id, attention_backend, auto_profile, None, None, None, False, {})
         runner, drafter, cfg, prompts, _, eos = run
         seeds = _seeds(None, len(prompts)) if gc.do_sample else [None] * len(prompts)
         # The processors transformers built hold this batch's shape (a minimum length counts the
-        # padding): build each row's own from the same config instead, with the user's.
-        user = _users_processors(model, gc, input_ids, logits_processor, model_kwargs)
-        if len(prompts) > 1 and any(isinstance(p, PrefixConstrainedLogitsProcessor) for p in user):
+        # padding): each of its own is rebuilt per row from the same config, in its place.
+        own = model._get_logits_processor(
+            generation_config=gc, input_ids_seq_length=width, encoder_input_ids=input_ids,
+            prefix_allowed_tokens_fn=None, logits_processor=LogitsProcessorList(), device=input_ids.device,
+            model_kwargs=model_kwargs)
+        slots = _config_slots(logits_processor, own)
+        if len(prompts) > 1 and any(isinstance(p, PrefixConstrainedLogitsProcessor) for p in logits_processor):
             raise ValueError("prefix_allowed_tokens_fn is called with each row's batch index: custom_generate "
                              "decodes row by row, so give it one prompt at a time")
+        # The budget and the config's EOS end rows in the loop; every other criterion (stop
+        # strings, max_time, the user's) is asked after each committed token, on the row with
+        # its padding, as generate asks it.
+        asked = StoppingCriteriaList(c for c in stopping_criteria if not _config_ends(c, gc))
         decodings = []
-        for p, s in zip(prompts, seeds):
+        for b, (p, s) in enumerate(zip(prompts, seeds)):
             row_cfg = copy.copy(gc)
             row_cfg.max_length = len(p) + max_new
-            decodings.append(RequestDecoding(NodeProcessor.build(model, row_cfg, len(p), user), s, stop))
-        if streamer is not None:
+            if gc.min_new_tokens is not None:  # generate set min_length from the padded width
+                row_cfg.min_length = len(p) + gc.min_new_tokens
+            procs = _row_processors(model, row_cfg, len(p), logits_processor, slots, own)
+            stop = _PaddedRow(asked, input_ids[b: b + 1, : pads[b]]) if asked else None
+            decodings.append(RequestDecoding(NodeProcessor.of(procs), s, stop))
+        if streamer is not None:  # transformers 5 hands the callable none (docs/generation.md); a caller may
             streamer.put(input_ids.cpu())
         new = [[] for _ in prompts]
         for out in _loop(runner, drafter, cfg, prompts, decodings, eos, max_new=max_new, page_size=16,
@@ -100,16 +108,54 @@ def custom_generate(draft, tree_cfg="auto", *, attention_backend: str = "auto", 
     return decode
 
 
-def _users_processors(model, config, input_ids: torch.Tensor, merged, model_kwargs: dict) -> list:
-    """The processors of ``merged`` (what ``generate`` built from ``config``, the user's
-    ``logits_processor`` merged in) that the user gave: those ``generate`` would not build from
-    the config alone. A user's processor of a type the config also builds replaced that one
-    (transformers' merge) and counts as the user's when it is parameterised differently."""
-    own = model._get_logits_processor(
-        generation_config=config, input_ids_seq_length=input_ids.shape[1], encoder_input_ids=input_ids,
-        prefix_allowed_tokens_fn=None, logits_processor=LogitsProcessorList(), device=input_ids.device,
-        model_kwargs=model_kwargs)
-    return [p for p in merged if not any(type(p) is type(o) and _same(p, o) for o in own)]
+def _config_slots(merged, own) -> list[int | None]:
+    """For each processor of ``merged`` (what ``generate`` built, the user's merged in), the
+    index of the one of ``own`` (built from the config alone) it equals, or None: the user's.
+    A user's processor that replaced one of the config's (transformers' merge) is kept as the
+    user's unless it is parameterised as the config's, and then either serves."""
+    used: set[int] = set()
+    slots = []
+    for m in merged:
+        i = next((i for i, o in enumerate(own) if i not in used and type(m) is type(o) and _same(m, o)), None)
+        if i is not None:
+            used.add(i)
+        slots.append(i)
+    return slots
+
+
+def _row_processors(model, row_cfg, prompt_len: int, merged, slots, own) -> LogitsProcessorList:
+    """``merged`` for one row: each of the config's processors rebuilt from ``row_cfg`` for the
+    row alone, the user's as given, in ``merged``'s order."""
+    row_own = model._get_logits_processor(
+        generation_config=row_cfg, input_ids_seq_length=prompt_len, encoder_input_ids=None,
+        prefix_allowed_tokens_fn=None, logits_processor=LogitsProcessorList(),
+        device=str(next(model.parameters()).device), model_kwargs={})
+    if [type(p) for p in row_own] != [type(p) for p in own]:  # the row's config adds or drops none of them
+        raise RuntimeError(f"custom_generate: a row's processors {[type(p).__name__ for p in row_own]} are not "
+                           f"the batch's {[type(p).__name__ for p in own]}")
+    return LogitsProcessorList(m if i is None else row_own[i] for m, i in zip(merged, slots))
+
+
+def _config_ends(criterion, config) -> bool:
+    """Whether ``criterion`` is one ``generate`` built from ``config`` for what treespec's loop
+    ends a row on by itself: the token budget (``max_length``) or the config's EOS."""
+    if type(criterion) is MaxLengthCriteria:
+        return criterion.max_length == config.max_length
+    if type(criterion) is EosTokenCriteria and config._eos_token_tensor is not None:
+        mine = criterion.eos_token_id
+        return torch.equal(mine.reshape(-1).cpu(), config._eos_token_tensor.reshape(-1).cpu())
+    return False
+
+
+class _PaddedRow:
+    """A batch row's stopping criteria, asked on the row with its left padding (int64
+    ``[1, pads]``) in front, as ``generate`` asks them of the padded batch."""
+
+    def __init__(self, criteria: StoppingCriteriaList, padding: torch.Tensor):
+        self.criteria, self.padding = criteria, padding
+
+    def __call__(self, input_ids: torch.Tensor, scores) -> torch.Tensor:
+        return self.criteria(torch.cat([self.padding, input_ids.to(self.padding)], dim=1), scores)
 
 
 def _same(a, b) -> bool:

@@ -380,14 +380,14 @@ def _stopping(config: GenerationConfig, criteria, tokenizer) -> StoppingCriteria
 
 def _budget(model, prompts: list[list[int]], max_new_tokens, generation_config, options: dict) -> int:
     """New tokens per request, as ``model.generate`` counts them: ``max_new_tokens`` (the
-    argument, else the options' or generation configs'), else ``max_length`` less the longest
-    prompt (the width of the padded batch ``generate`` would see), else 128. The model's own
-    generation config counts only with a ``generation_config``, as for every option."""
+    argument, else a generation config's), else ``max_length`` less the longest prompt (the
+    width of the padded batch ``generate`` would see), else 128. The generation configs (the
+    user's, then the model's) count only with a ``generation_config``, as for every option."""
     if max_new_tokens is None:
         sources = [options] + ([generation_config.to_dict(), model.generation_config.to_dict()]
                                if generation_config is not None else [])
 
-        def first(name):
+        def first(name):  # ``options`` holds no max_new_tokens: it is an argument of its own
             return next((s[name] for s in sources if s.get(name) is not None), None)
 
         max_new_tokens, limit = first("max_new_tokens"), first("max_length")
@@ -898,10 +898,10 @@ def generate(
                     (no speculation: autoregressive decoding through treespec's runner).
         tree_cfg:   a :class:`TreeConfig` or a preset name (``treespec.PRESETS``).
         input_ids:  one prompt (1-D tensor or list of ints) or a list of prompts of any lengths.
-        max_new_tokens: per request (default: the ``max_new_tokens`` of the options or, with a
-                    ``generation_config``, of it and the model's generation config; else their
-                    ``max_length`` less the longest prompt; else 128); EOS (``eos_token_id``, else
-                    the generation config's or the model's) ends a request early and is kept.
+        max_new_tokens: per request (default: with a ``generation_config``, its or the model's
+                    generation config's; else ``max_length``, the keyword or theirs, less the
+                    longest prompt; else 128); EOS (``eos_token_id``, else the generation
+                    config's or the model's) ends a request early and is kept.
         temperature, top_k, top_p, min_p: sampling (``temperature=0`` is greedy).
                     ``temperature`` may give one value per request (0: that request is
                     greedy; top_k/top_p/min_p apply to the sampled ones), as a batch of
@@ -950,8 +950,9 @@ def generate(
                     ``sequence_bias``, ``suppress_tokens``, ``typical_p``, ``max_time``, ...):
                     exactly those given, as the sampling arguments are; and
                     ``stopping_criteria``, transformers ``StoppingCriteria`` asked after every
-                    committed token. Options that cannot be exact on trees (beam search,
-                    guidance, ...) raise a ValueError that names them.
+                    committed token with ``scores=None`` (``max_time`` counts from the call, set-up
+                    included). Options that cannot be exact on trees (beam search, guidance, ...)
+                    raise a ValueError that names them.
     Returns:
         :class:`GenerateOutput` with ``sequences`` and ``metrics``.
     """

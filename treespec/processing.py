@@ -142,9 +142,13 @@ class NodeProcessor:
             generation_config=config, input_ids_seq_length=prompt_len, encoder_input_ids=None,
             prefix_allowed_tokens_fn=None, logits_processor=LogitsProcessorList(user or []),
             device=str(next(model.parameters()).device), model_kwargs={})
-        # transformers' top-p, the same output without sorting each row where the cut is clear
-        procs = LogitsProcessorList(SortFreeTopP.of(p) if type(p) is TopPLogitsWarper else p for p in procs)
-        return cls(procs)
+        return cls.of(procs)
+
+    @classmethod
+    def of(cls, procs) -> "NodeProcessor":
+        """Over a list of transformers processors as they are, but top-p in its form that gives
+        the same output without sorting each row where the cut is clear."""
+        return cls(LogitsProcessorList(SortFreeTopP.of(p) if type(p) is TopPLogitsWarper else p for p in procs))
 
     def __bool__(self) -> bool:
         return len(self.processors) > 0

@@ -201,8 +201,9 @@ def verify_sampling(
                 rej = test & ~acc
                 r[rej, x[rej]] = 0
             else:
-                if (test & ~(q[arange_b, x] > 0)).any():
-                    b = int(torch.nonzero(test & ~(q[arange_b, x] > 0))[0])
+                impossible = test & ~(q[arange_b, x] > 0)
+                if impossible.any():
+                    b = int(torch.nonzero(impossible)[0])
                     raise ValueError(f"tree {b}: a child's token {int(x[b])} has draft probability 0 at its parent "
                                      "(after its rejected siblings' removal): draft_probs must be the distribution "
                                      "the children were sampled from, without replacement")
