@@ -62,6 +62,7 @@ options = st.fixed_dictionaries({}, optional={
     "repetition_penalty": st.sampled_from([0.8, 1.1, 1.5, 2.0]),
     "no_repeat_ngram_size": st.integers(1, 3),
     "min_new_tokens": st.integers(1, 8),
+    "min_length": st.integers(1, 16),  # beside min_new_tokens, that one takes precedence, as in generate
     "bad_words_ids": st.lists(st.lists(st.integers(1, V - 1), min_size=1, max_size=2), min_size=1, max_size=4),
     "sequence_bias": st.dictionaries(st.tuples(st.integers(1, V - 1)), st.sampled_from([-5.0, 3.0, 10.0]),
                                      min_size=1, max_size=3),
@@ -157,6 +158,17 @@ def test_an_eos_given_beside_a_generation_config_is_the_one_its_processors_ban()
     assert eos not in want[:6]
     assert treespec.generate(model, drafter("twin", 0), "cpu", prompt, generation_config=gc,
                              eos_token_id=eos).sequences[0] == want
+
+
+def test_min_new_tokens_takes_precedence_over_min_length():
+    """generate counts min_length from min_new_tokens when both are given: EOS is banned for
+    the new tokens only, not until min_length (found by differential fuzzing)."""
+    model = tiny_model("llama", 1)
+    prompt = [5, 36, 24, 5, 36]
+    opts = dict(eos_token_id=9, min_new_tokens=2, min_length=12)
+    want = hf(model, prompt, 10, do_sample=False, pad_token_id=0, **opts)
+    assert want[-1] == 9 and len(prompt) + len(want) < 12  # an EOS that min_length alone would have banned
+    assert treespec.generate(model, "ngram", "cpu", prompt, max_new_tokens=10, **opts).sequences[0] == want
 
 
 class EndAtLength(StoppingCriteria):

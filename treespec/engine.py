@@ -355,6 +355,8 @@ def _decodings(model, prompts: list[list[int]], eos: set[int], max_new: int, tem
     for c, p, s in zip(configs, prompts, seeds):
         c = copy.copy(c)
         c.max_length = len(p) + max_new  # where forced_eos_token_id forces EOS, as generate sets it
+        if c.min_new_tokens is not None:  # it takes precedence over min_length, as in generate
+            c.min_length = len(p) + c.min_new_tokens
         out.append(RequestDecoding(NodeProcessor.build(model, c, len(p), logits_processor),
                                    s if c.do_sample else None, stop))
     return out

@@ -142,6 +142,16 @@ def _residual_(r: torch.Tensor, q: torch.Tensor, rej: torch.Tensor, x: torch.Ten
     q[rej] = qr
 
 
+def _refuse_undrawable(impossible: torch.Tensor, x: torch.Tensor) -> None:
+    """ValueError where a tested child (bool ``[B]``) has draft probability 0: q could not have
+    drawn it, and the rule's ratio r/q is undefined there."""
+    if impossible.any():
+        b = int(torch.nonzero(impossible)[0])
+        raise ValueError(f"tree {b}: a child's token {int(x[b])} has draft probability 0 at its parent (after its "
+                         "rejected siblings' removal): draft_probs must be the distribution the children were "
+                         "sampled from, without replacement")
+
+
 def verify_sampling(
     trees: list[Tree],
     target_probs: torch.Tensor,
@@ -201,12 +211,7 @@ def verify_sampling(
                 rej = test & ~acc
                 r[rej, x[rej]] = 0
             else:
-                impossible = test & ~(q[arange_b, x] > 0)
-                if impossible.any():
-                    b = int(torch.nonzero(impossible)[0])
-                    raise ValueError(f"tree {b}: a child's token {int(x[b])} has draft probability 0 at its parent "
-                                     "(after its rejected siblings' removal): draft_probs must be the distribution "
-                                     "the children were sampled from, without replacement")
+                _refuse_undrawable(test & ~(q[arange_b, x] > 0), x)
                 qx = q[arange_b, x] / q.sum(-1)
                 acc = test & (u * qx * r.sum(-1) < rx)  # u < min(1, r/q)
                 rej = test & ~acc
