@@ -1,23 +1,43 @@
 """Shared fixtures."""
 
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 
 
-@pytest.fixture(scope="session", autouse=True)
-def own_cache(tmp_path_factory):
-    """A treespec cache of the tests' own: the cost curves and packing timings they measure on
-    throwaway models stay out of the user's ``~/.cache/treespec`` (or ``$TREESPEC_CACHE``). Its
-    ``models`` folder is the user's, linked, so SmolLM2 is fetched and converted once, not per run."""
+_USERS_CACHE = os.environ.get("TREESPEC_CACHE")
+
+
+def pytest_configure(config):
+    """A treespec cache of the tests' own, set before any test module is imported (some build a
+    child process's environment at import): the cost curves and packing timings the tests
+    measure on throwaway models stay out of the user's ``~/.cache/treespec`` (or
+    ``$TREESPEC_CACHE``). Its ``models`` folder is the user's, linked, so SmolLM2 is fetched
+    and converted once, not per run."""
     from treespec.models.common import cache_dir
 
     models = cache_dir() / "models"
     models.mkdir(exist_ok=True)
-    own = tmp_path_factory.mktemp("treespec-cache")
+    own = Path(tempfile.mkdtemp(prefix="treespec-tests-cache-"))
     (own / "models").symlink_to(models, target_is_directory=True)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TREESPEC_CACHE", str(own))
-        yield own
+    os.environ["TREESPEC_CACHE"] = str(own)
+    config._treespec_cache = own
+
+
+def pytest_unconfigure(config):
+    own = getattr(config, "_treespec_cache", None)
+    if own is None:
+        return
+    if _USERS_CACHE is None:
+        os.environ.pop("TREESPEC_CACHE", None)
+    else:
+        os.environ["TREESPEC_CACHE"] = _USERS_CACHE
+    (own / "models").unlink(missing_ok=True)  # the link, not the user's models
+    shutil.rmtree(own, ignore_errors=True)
 
 
 @pytest.fixture
