@@ -61,3 +61,55 @@ def test_timing_counts_warmup_and_measures_a_block():
     assert synced == [1, 1] and t.seconds > 0 and t.ms == pytest.approx(1000 * t.seconds)
     assert command(str(BENCH / "micro" / "forward_cost.py"), ["--dtype", "bfloat16"]) == \
         "python benchmarks/micro/forward_cost.py --dtype bfloat16"
+
+
+def test_journal_summary_and_spec_bench_formula_compute_what_they_say(tmp_path):
+    """Per category: pooled speedups over plain HF generate and over the faster HF baseline,
+    Spec-Bench's ratio (the mean of per-question tokens/s over the baseline's); overall: the mean
+    of the six and Spec-Bench's over every question. The report script agrees on a report."""
+    import json
+
+    sys.path.insert(0, str(BENCH / "figures"))
+    import journal_summary
+    import spec_bench_formula
+
+    from treespec.prompts import spec_bench_questions
+
+    questions = spec_bench_questions("spec-bench", 2)  # two a category, the first of each first
+    names = ["hf-generate", "hf-generate+fast", "ts"]
+    # per question: (tokens, seconds) of each configuration; plain HF generate is the faster baseline
+    runs = [{"hf-generate": (10 + i, 1.0), "hf-generate+fast": (10 + i, 2.0), "ts": (40 + 7 * i, 1.0 + i % 3)}
+            for i in range(len(questions))]
+    head = {"key": {"configs": [{"name": n, "kind": "treespec" if n == "ts" else "hf-generate"} for n in names],
+                    "prompts": f"{len(questions)} prompts, sha256 x", "machine": {"cpu": "test"}}}
+    rows = [{"prompt": i, "divergences": {},
+             "runs": {n: {"tokens": [1] * t, "seconds": s, "metrics": None} for n, (t, s) in r.items()}}
+            for i, r in enumerate(runs)]
+    journal = tmp_path / "j.jsonl"
+    journal.write_text("\n".join(json.dumps(x) for x in [head, *rows]) + "\n")
+    out = journal_summary.summarise(journal, 2)
+    rate = lambda t, s: t / s  # noqa: E731
+    for cat, c in out["categories"].items():
+        idx = [i for i, q in enumerate(questions) if q["category"] == cat]
+        mine = [rate(*runs[i]["ts"]) for i in idx]
+        base = [rate(*runs[i]["hf-generate"]) for i in idx]
+        pooled = sum(runs[i]["ts"][0] for i in idx) / sum(runs[i]["ts"][1] for i in idx)
+        plain = sum(runs[i]["hf-generate"][0] for i in idx) / sum(runs[i]["hf-generate"][1] for i in idx)
+        f = c["configs"]["ts"]
+        assert f["spec_bench_speedup"] == pytest.approx(sum(mine) / sum(base), abs=1e-4)
+        assert f["speedup"] == pytest.approx(pooled / plain, abs=1e-4)
+        assert f["over_same_path"] == f["speedup"]  # plain HF generate was the faster baseline here
+    cats = list(out["categories"].values())
+    assert out["overall"]["ts"]["speedup"] == pytest.approx(sum(c["configs"]["ts"]["speedup"] for c in cats) / 6,
+                                                            abs=1e-3)
+    every = sum(rate(*r["ts"]) for r in runs) / sum(rate(*r["hf-generate"]) for r in runs)
+    assert out["overall"]["ts"]["spec_bench_speedup"] == pytest.approx(every, abs=1e-4)
+    report = {"configs": [{"name": n, "overall_speedup": out["overall"][n]["speedup"]} for n in names],
+              "prompts": [{"category": q["category"],
+                           "results": {n: {"new_tokens": runs[i][n][0], "seconds": runs[i][n][1],
+                                           "tokens_per_second": rate(*runs[i][n])} for n in names}}
+                          for i, q in enumerate(questions)]}
+    got = spec_bench_formula.formula(report)["ts"]
+    assert got["overall"]["spec_bench"] == pytest.approx(every, abs=1e-3)
+    assert all(got[cat]["spec_bench"] == pytest.approx(c["configs"]["ts"]["spec_bench_speedup"], abs=1e-3)
+               for cat, c in out["categories"].items())

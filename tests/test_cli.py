@@ -468,7 +468,8 @@ def test_bench_spec_bench_leaderboard_table_legend_json_and_png(capsys, tmp_path
     assert max(len(ln) for ln in stdout.splitlines() if str(lm) not in ln and not ln.startswith("wrote ")) <= 100
     table, legend = stdout.split("greedy\n", 1)[1].rsplit("\n\nconfig ", 1)  # the legend comes last
     leaderboard, details = table_blocks(table)
-    assert leaderboard == ["config", "conv", "transl", "summ", "qa", "math", "rag", "tau", "overall"]
+    assert leaderboard == ["config", "conv", "transl", "summ", "qa", "math", "rag", "tau", "overall",
+                           "SB overall"]
     assert details == ["config", "tok/s", "speedup", "vs best", "tau", "nodes", "draft", "verify", "mismatch"]
     legend = "config " + legend
     keys = {re.split(r"\s{2,}|: ", ln, maxsplit=1)[0] for ln in legend.splitlines() if not ln.startswith(" ")}

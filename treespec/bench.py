@@ -32,8 +32,11 @@ Figures, per configuration:
                               (``best_baseline``; treespec without a draft is among them)
     mean_accepted_length      tokens committed per verify forward, bonus included (tau)
     acceptance_rate_by_position[d-1]  share of verify steps that accepted >= d drafts
-    categories[c]             tokens/s, speedup and tau over the prompts of category c
-    overall_speedup           mean of the categories' speedups (Spec-Bench's "Overall")
+    categories[c]             tokens/s, speedup and tau over the prompts of category c, and
+                              ``spec_bench_speedup``: Spec-Bench's own ratio (evaluation/speed.py),
+                              the mean of per-question tokens/s over the baseline's mean
+    overall_speedup           mean of the categories' speedups (one weight per category)
+    overall_spec_bench_speedup  Spec-Bench's "Overall": its ratio over every question pooled
 
 This module never prints: progress goes to ``callback``, details to ``logging``.
 """
@@ -139,7 +142,7 @@ class BenchConfig:
                    draft_name=draft_name, tree_name=tree_name, fast=fast)
 
     def describe(self) -> dict:
-        d = {"name": self.name, "kind": self.kind}
+        d = {"name": self.name, "kind": self.kind, "fast": self.fast}
         if self.kind == HF_LOOKUP:
             d["prompt_lookup_num_tokens"] = self.lookup_tokens
         if self.kind == TREESPEC:
@@ -686,7 +689,10 @@ def _config_figures(r: ConfigResult, base: ConfigResult) -> dict:
 def _category_figures(res: BenchResult, r: ConfigResult) -> dict:
     """Per category (in the order the prompts bring them): tokens/s and speedup over HF
     generate (total tokens / total seconds over the category's prompts, as everywhere
-    here), tau; and overall, the mean of the categories' speedups (Spec-Bench's "Overall")."""
+    here), tau, and Spec-Bench's own speedup (mean per-question tokens/s over the baseline's,
+    which weighs each question alike where the pooled rate weighs each second alike); overall,
+    the mean of the categories' speedups and Spec-Bench's "Overall" (its ratio over every
+    question)."""
     cats = {}
     for c in dict.fromkeys(c for c in res.categories if c is not None):
         idx = [i for i, x in enumerate(res.categories) if x == c]
@@ -694,10 +700,22 @@ def _category_figures(res: BenchResult, r: ConfigResult) -> dict:
         btps = _rate([res.baseline.runs[i] for i in idx])
         acc = [a for i in idx if r.runs[i].metrics is not None for a in r.runs[i].metrics["accepted"]]
         cats[c] = dict(num_prompts=len(idx), tokens_per_second=tps, speedup=tps / btps if btps > 0 else None,
+                       spec_bench_speedup=spec_bench_ratio(r.runs, res.baseline.runs, idx),
                        mean_accepted_length=(sum(acc) + len(acc)) / len(acc) if acc else None)
     speedups = [v["speedup"] for v in cats.values()]
     overall = sum(speedups) / len(speedups) if speedups and None not in speedups else None
-    return {"categories": cats, "overall_speedup": overall}
+    every = [i for i, x in enumerate(res.categories) if x is not None]
+    return {"categories": cats, "overall_speedup": overall,
+            "overall_spec_bench_speedup": spec_bench_ratio(r.runs, res.baseline.runs, every)}
+
+
+def spec_bench_ratio(runs, base_runs, idx: list[int]) -> float | None:
+    """Spec-Bench's speedup over the prompts ``idx`` (its evaluation/speed.py): the mean of each
+    prompt's tokens/s over the mean of the baseline's; None where a prompt took no time."""
+    rates = [[len(x[i].tokens) / x[i].seconds if x[i].seconds > 0 else None for i in idx] for x in (runs, base_runs)]
+    if not idx or None in rates[0] or None in rates[1] or sum(rates[1]) <= 0:
+        return None
+    return sum(rates[0]) / sum(rates[1])
 
 
 def _rate(runs: list[RunRecord]) -> float:
@@ -894,7 +912,10 @@ def _category_columns(data: dict, wide: bool) -> tuple[list[_Column], str, str]:
             for cat, head in heads.items()]
     cols += [_Column("tau", lambda c: _fmt(c["mean_accepted_length"], ".2f"), _TAU),
              _Column("overall", lambda c: _fmt(c.get("overall_speedup"), ".2f", "x"),
-                     "mean of the categories' speedups (Spec-Bench's Overall)")]
+                     "mean of the categories' speedups"),
+             _Column("SB overall", lambda c: _fmt(c.get("overall_spec_bench_speedup"), ".2f", "x"),
+                     "Spec-Bench's own Overall: the mean of every question's tokens/s over the baseline's mean "
+                     "(evaluation/speed.py), which weighs short answers as much as long ones")]
     what = [f"{cat} ({_CATEGORY_MEANING.get(cat, 'an MT-bench category, two turns each')})"
             if head == cat else f"{head}: {cat} ({_CATEGORY_MEANING.get(cat, '')})" for cat, head in heads.items()]
     return cols, ", ".join(heads.values()), (
@@ -931,7 +952,8 @@ def _config_meaning(data: dict, configs: list[dict], aliases: dict[str, str]) ->
         parts.append(f"{TREESPEC_AR}: treespec without a draft (one token per forward, on treespec's weights): its "
                      "decoding without speculation")
     if HF_LOOKUP in kinds:
-        parts.append(f"{HF_LOOKUP}-K: transformers' prompt lookup decoding, K tokens")
+        on = " (on the +fast weights)" if any(c["kind"] == HF_LOOKUP and c.get("fast") for c in configs) else ""
+        parts.append(f"{HF_LOOKUP}-K: transformers' prompt lookup decoding, K tokens{on}")
     if any(c["kind"] == TREESPEC and c.get("draft") != "none" for c in configs):
         parts.append("DRAFT/TREE: treespec drafting with DRAFT (+lookup: prompt lookup grafted on) on trees TREE")
     parts += [f"{a} = {d}" for a, d in aliases.items()]
