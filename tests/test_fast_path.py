@@ -396,6 +396,32 @@ def test_classify_divergence_reads_the_fp32_logits():
     assert early.position == 2 and not early.near_tie  # stopping early is never a near-tie
 
 
+def test_worst_greedy_shortfall_judges_every_token_on_its_own_prefix():
+    """A greedy fp32 output lies at the fp32 maximum everywhere; a token swapped in after the
+    first difference is found where it is, by how far it lies below; with the options'
+    processors the scores are judged as greedy saw them."""
+    from transformers.generation.logits_process import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+
+    from treespec.divergence import worst_greedy_shortfall
+
+    model = tiny_model("llama", seed=7)
+    prompt = PROMPTS[1]
+    ref = hf_greedy(model, prompt, 10)
+    j, short = worst_greedy_shortfall(model, prompt, ref)
+    assert short <= 1e-5
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + ref[:6]])).logits[0, -1]
+    bad = int(logits.argmin())
+    j, short = worst_greedy_shortfall(model, prompt, ref[:6] + [bad] + ref[7:], start=2)
+    assert j == 6 and short == pytest.approx(float(logits.max() - logits[bad]), abs=1e-4)
+    assert worst_greedy_shortfall(model, prompt, ref, start=len(ref)) == (-1, 0.0)
+    penalised = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(3.0)])
+    ids = torch.tensor([prompt])
+    with_penalty = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
+                                  repetition_penalty=3.0)[0, len(prompt):].tolist()
+    assert worst_greedy_shortfall(model, prompt, with_penalty, penalised)[1] <= 1e-5
+
+
 def _bf16_unexplained(model, trees, drafter_for, n=24):
     """Greedy treespec vs HF generate in bf16: (differences, unexplained ones)."""
     ref32 = fp32_reference(model)

@@ -147,6 +147,40 @@ def test_a_second_turn_difference_is_judged_in_that_turn(chat_lm, monkeypatch):
     assert calls[1] > calls[0]  # turn 2 was given the longer conversation
 
 
+def test_tokens_after_a_near_tie_are_judged_on_their_own_prefix(chat_lm, monkeypatch):
+    """An output that leaves HF generate's at a near-tie and later emits a token greedy decoding
+    would not (on its own prefix) is unexplained: the first difference alone passed it."""
+    import treespec.bench as bench
+
+    model, tok = chat_lm
+    prompts, _ = load_bench_prompts("spec-bench:qa", tok, 1)
+    real = bench.ts_generate
+    seen = {}
+
+    def near_tie_then_wrong(*a, **kw):
+        out = real(*a, **kw)
+        prompt, seq = list(a[3]), out.sequences[0]
+        with torch.inference_mode():
+            logits = model(torch.tensor([prompt + seq[:1]])).logits[0, -1].float()
+        top2 = logits.topk(2).indices.tolist()
+        seq[1] = top2[1] if seq[1] == top2[0] else top2[0]  # the runner-up: a near-tie within the tolerance
+        seen["gap"] = float(logits.max() - logits[seq[1]])
+        with torch.inference_mode():
+            later = model(torch.tensor([prompt + seq[:4]])).logits[0, -1].float()
+        seq[4] = int(later.argmin())  # a token no greedy choice makes
+        seen["bad"] = float(later.max() - later.min())
+        return out
+
+    monkeypatch.setattr(bench, "ts_generate", near_tie_then_wrong)
+    config = BenchConfig.treespec(NgramDrafter(), TreeConfig.chain(3), "ngram", "chain-3")
+    res = run_bench(model, prompts, [config], max_new_tokens=8, tokenizer=tok, warmup=False, near_tie_tolerance=5.0)
+    r = res.results[-1]
+    assert seen["gap"] <= 5.0 < seen["bad"]
+    d = r.divergences[0]
+    assert d.position == 1 and d.fp32_shortfall == pytest.approx(seen["gap"], abs=1e-3)
+    assert d.later_position is not None and d.later_shortfall > 5.0 and r.unexplained == [0]
+
+
 # ---- figures --------------------------------------------------------------------------------
 
 

@@ -58,7 +58,7 @@ from typing import Callable, Sequence
 import torch
 
 from .config import TreeConfig
-from .divergence import NEAR_TIE_TOLERANCE, Divergence, classify_divergence, fp32_reference
+from .divergence import NEAR_TIE_TOLERANCE, Divergence, classify_divergence, fp32_reference, worst_greedy_shortfall
 from .drafters.base import Drafter
 from .engine import generate as ts_generate
 from .machine import machine_info
@@ -616,13 +616,25 @@ class _Judge:
         self.reference = self.reference if self.reference is not None else fp32_reference(model)
         d = classify_divergence(self.reference, got.turn_prompts[t], ref.turn_tokens(t), got.turn_tokens(t),
                                 self.tolerance, self._processor(model, len(got.turn_prompts[t])))
-        d = dataclasses.replace(d, position=sum(got.turn_lengths[:t]) + d.position)  # into the whole output
+        # What follows answers the run's own prefixes: every later token must be a greedy choice there.
+        worst = max((self._worst(model, got, u, d.position + 1 if u == t else 0)
+                     for u in range(t, len(got.turn_lengths))), key=lambda x: x[1], default=(None, 0.0))
+        d = dataclasses.replace(d, position=sum(got.turn_lengths[:t]) + d.position,  # into the whole output
+                                later_position=worst[0], later_shortfall=worst[1])
         r.mismatches.append(i)
         r.first_diff[i] = d.position
         r.divergences[i] = d
-        log.warning("%s differs from HF generate on prompt %d at token %d: %s (fp32 shortfall %.3g, tolerance %.3g)",
-                    r.config.name, i, d.position, "near-tie" if d.near_tie else "UNEXPLAINED", d.fp32_shortfall,
-                    self.tolerance)
+        log.warning("%s differs from HF generate on prompt %d at token %d: %s (fp32 shortfall %.3g, after it at most "
+                    "%.3g, tolerance %.3g)", r.config.name, i, d.position, "near-tie" if d.near_tie else "UNEXPLAINED",
+                    d.fp32_shortfall, d.later_shortfall, self.tolerance)
+
+    def _worst(self, model, got: RunRecord, turn: int, start: int) -> tuple[int | None, float]:
+        """The worst fp32 shortfall among turn ``turn``'s tokens from ``start`` on, and where it
+        lies in the whole output."""
+        tokens = got.turn_tokens(turn)
+        j, short = worst_greedy_shortfall(self.reference, got.turn_prompts[turn], tokens,
+                                          self._processor(model, len(got.turn_prompts[turn])), start)
+        return (None if j < 0 else sum(got.turn_lengths[:turn]) + j), short
 
     def _processor(self, model, prompt_len: int):
         """The options' processors for a prompt of ``prompt_len`` tokens (None without options):

@@ -10,7 +10,9 @@ right to bf16 precision, and after the swap they continue differently.
 target's logits in fp32 over the common prefix and measures how far below the fp32
 maximum the lower of the two chosen tokens lies. Within ``tolerance`` the difference is a
 near-tie; beyond it, something other than rounding chose the token: *unexplained*, which
-must stay zero.
+must stay zero. After the first difference the two texts answer different prefixes, so
+:func:`worst_greedy_shortfall` judges the rest of the run's own output on its own prefixes:
+every token must lie within ``tolerance`` of the fp32 maximum there too.
 
 Tolerances (:data:`NEAR_TIE_TOLERANCE`, in logits) come from a measurement on
 SmolLM2-135M-Instruct (6 GSM8K test conversations, 1201 positions, bf16 against fp32):
@@ -28,7 +30,8 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["Divergence", "NEAR_TIE_TOLERANCE", "classify_divergence", "first_difference", "fp32_reference"]
+__all__ = ["Divergence", "NEAR_TIE_TOLERANCE", "classify_divergence", "first_difference", "fp32_reference",
+           "worst_greedy_shortfall"]
 
 #: dtype of the run -> largest fp32 logit shortfall still counted as a rounding near-tie
 NEAR_TIE_TOLERANCE = {torch.float32: 1e-2, torch.bfloat16: 1.0, torch.float16: 0.5}
@@ -45,6 +48,9 @@ class Divergence:
         fp32_shortfall:  fp32 max logit minus the lower fp32 logit of the two tokens
                          (0 when both are fp32 maxima); the top-2 gap when one is the max.
         tolerance:       the near-tie bound it was judged against.
+        later_position:  the run's token after the first difference that lies furthest below
+                         the fp32 maximum at its own prefix (None: not judged, or none).
+        later_shortfall: how far below (0 when not judged).
     """
 
     position: int
@@ -52,14 +58,19 @@ class Divergence:
     token: int
     fp32_shortfall: float
     tolerance: float
+    later_position: int | None = None
+    later_shortfall: float = 0.0
 
     @property
     def near_tie(self) -> bool:
-        return self.fp32_shortfall <= self.tolerance
+        """A rounding near-tie at the first difference, and every later token a greedy choice
+        up to rounding."""
+        return self.fp32_shortfall <= self.tolerance and self.later_shortfall <= self.tolerance
 
     def describe(self) -> dict:
         return {"position": self.position, "reference_token": self.reference_token, "token": self.token,
                 "fp32_shortfall": self.fp32_shortfall, "tolerance": self.tolerance,
+                "later_position": self.later_position, "later_shortfall": self.later_shortfall,
                 "kind": "near-tie" if self.near_tie else "unexplained"}
 
 
@@ -116,3 +127,24 @@ def classify_divergence(
     a, b = int(reference[i]), int(tokens[i])
     shortfall = float(logits.max() - torch.minimum(logits[a], logits[b]))
     return Divergence(i, a, b, shortfall, tolerance)
+
+
+@torch.inference_mode()
+def worst_greedy_shortfall(model_fp32, prompt: Sequence[int], tokens: Sequence[int], processor=None,
+                           start: int = 0) -> tuple[int, float]:
+    """``(index, shortfall)`` of the token among ``tokens[start:]`` that lies furthest below the
+    fp32 maximum at its own prefix (``prompt`` and the tokens before it), in one forward: 0 for
+    greedy decoding in fp32, within the near-tie tolerance for a bf16 run's; ``(-1, 0.0)`` when
+    there is no token to judge. ``processor``: as in :func:`classify_divergence`."""
+    n = len(tokens) - start
+    if n <= 0:
+        return -1, 0.0
+    ids = torch.tensor([list(prompt) + list(tokens[:-1])], device=next(model_fp32.parameters()).device)
+    logits = model_fp32(input_ids=ids, attention_mask=torch.ones_like(ids), logits_to_keep=n).logits[0].float()
+    if processor is not None:  # each position's scores with its own history, as greedy saw them
+        first = len(prompt) + start
+        logits = torch.cat([processor(ids[:, : first + j], logits[j: j + 1]) for j in range(n)])
+    chosen = torch.tensor(list(tokens[start:]), device=logits.device)
+    short = logits.max(-1).values - logits.gather(1, chosen[:, None])[:, 0]
+    j = int(short.argmax())
+    return start + j, float(short[j])

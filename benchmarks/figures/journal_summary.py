@@ -73,7 +73,8 @@ def summarise(path: Path, num_prompts: int, mt_bench: bool = False) -> dict:
                                "tau": round((sum(acc) + len(acc)) / len(acc), 3) if acc else None,
                                # outputs leaving HF generate's, and those past the near-tie tolerance
                                "differences": len(diffs),
-                               "unexplained": sum(d["fp32_shortfall"] > d["tolerance"] for d in diffs)}
+                               "unexplained": sum(max(d["fp32_shortfall"], d.get("later_shortfall", 0.0))
+                                                  > d["tolerance"] for d in diffs)}
         pairs = {}
         for i, a in enumerate(treespec):
             for b in treespec[i + 1:]:
