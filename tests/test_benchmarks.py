@@ -113,3 +113,27 @@ def test_journal_summary_and_spec_bench_formula_compute_what_they_say(tmp_path):
     assert got["overall"]["spec_bench"] == pytest.approx(every, abs=1e-3)
     assert all(got[cat]["spec_bench"] == pytest.approx(c["configs"]["ts"]["spec_bench_speedup"], abs=1e-3)
                for cat, c in out["categories"].items())
+
+
+def test_cpu_id_tells_cpus_of_one_name_apart(tmp_path, monkeypatch):
+    """Two /proc/cpuinfo blocks with one model name but other families or flags give other ids."""
+    import builtins
+
+    from treespec.machine import cpu_id
+
+    def info(family, flags):
+        return (f"processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: {family}\nmodel\t\t: 17\n"
+                f"model name\t: AMD EPYC\nstepping\t: 1\nflags\t\t: {flags}\n\nprocessor\t: 1\n")
+
+    real_open = builtins.open
+    ids = []
+    for family, flags in ((25, "fpu avx512f avx512_bf16"), (25, "avx512_bf16 fpu avx512f"), (23, "fpu avx2"),
+                          (25, "fpu avx2")):
+        path = tmp_path / f"cpuinfo-{len(ids)}"
+        path.write_text(info(family, flags))
+        monkeypatch.setattr(builtins, "open", lambda f, *a, p=path, **k: real_open(p if f == "/proc/cpuinfo" else f,
+                                                                                   *a, **k))
+        ids.append(cpu_id())
+    monkeypatch.setattr(builtins, "open", real_open)
+    assert ids[0] == ids[1] and ids[0].startswith("family 25 model 17 stepping 1 flags ")  # flag order is no matter
+    assert len({ids[0], ids[2], ids[3]}) == 3

@@ -459,7 +459,7 @@ def _journal_key(model, prompts: list[Prompt], active: list[ConfigResult], sp: S
         "attention_backend": backend, "near_tie_tolerance": tolerance,
         # Timings of one machine only: another CPU or library version starts a new journal.
         "machine": {k: v for k, v in machine_info().items()
-                    if k in ("cpu", "cpu_count", "torch", "transformers", "treespec", "cuda")},
+                    if k in ("cpu", "cpu_id", "cpu_count", "torch", "transformers", "treespec", "cuda")},
     }
 
 
