@@ -135,5 +135,16 @@ def test_cpu_id_tells_cpus_of_one_name_apart(tmp_path, monkeypatch):
                                                                                    *a, **k))
         ids.append(cpu_id())
     monkeypatch.setattr(builtins, "open", real_open)
-    assert ids[0] == ids[1] and ids[0].startswith("family 25 model 17 stepping 1 flags ")  # flag order is no matter
+    assert ids[0] == ids[1] and ids[0].startswith("cpu family 25, model 17, stepping 1, flags ")  # flag order aside
     assert len({ids[0], ids[2], ids[3]}) == 3
+    arm = ("processor\t: 0\nBogoMIPS\t: 243.75\nFeatures\t: fp asimd sve\nCPU implementer\t: 0x41\n"
+           "CPU architecture: 8\nCPU variant\t: 0x1\nCPU part\t: {}\nCPU revision\t: 1\n\n")
+    arm_ids = []
+    for part in ("0xd0c", "0xd40"):  # Neoverse N1 and V1
+        path = tmp_path / f"arm-{part}"
+        path.write_text(arm.format(part))
+        monkeypatch.setattr(builtins, "open", lambda f, *a, p=path, **k: real_open(p if f == "/proc/cpuinfo" else f,
+                                                                                   *a, **k))
+        arm_ids.append(cpu_id())
+    monkeypatch.setattr(builtins, "open", real_open)
+    assert arm_ids[0] != arm_ids[1] and "CPU part 0xd0c" in arm_ids[0]

@@ -1,6 +1,7 @@
 """Spec-Bench in treespec: which questions a selection gives, MT-bench's second turn asked
 after the target's own first answer (greedy, still token for token HF generate's), and the
-per-category figures with Spec-Bench's "Overall" (the mean of the categories' speedups).
+per-category figures, their mean, and Spec-Bench's own "Overall" (the mean of per-question
+tokens/s over the baseline's).
 A tiny fp32 llama with a ChatML template; a few tokens a turn."""
 
 from __future__ import annotations

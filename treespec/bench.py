@@ -767,7 +767,8 @@ def to_json(res: BenchResult, **extra) -> dict:
     """Everything as plain JSON types: ``machine``, ``settings``, ``configs``, ``prompts``,
     ``mismatches`` (treespec prompts differing from HF generate), ``notes``; where the prompts
     have categories (Spec-Bench), ``categories`` (their names, in order) and in each config
-    ``categories`` (name -> tokens/s, speedup, tau) and ``overall_speedup``; the names of the
+    ``categories`` (name -> tokens/s, speedup, Spec-Bench's speedup, tau), ``overall_speedup``
+    and ``overall_spec_bench_speedup``; the names of the
     ``same_path_baseline`` and the ``best_baseline``; ``settings.packing``, the start-up packing
     choice; ``extra`` keys (e.g. ``command``, ``model``, ``dataset``) are merged at the top level."""
     base = res.baseline
@@ -911,8 +912,9 @@ def _main_columns(data: dict, wide: bool, max_positions: int) -> list[_Column]:
                 "committing)"),
         _Column("mismatch", lambda c: _mismatch_cell(c, greedy, wide),
                 "greedy only: prompts whose output differs from HF generate's, each judged in fp32 at its first "
-                "differing token: a rounding near-tie (bf16 or packed weights can round two logits level) or "
-                "unexplained (a bug; bench exits with status 1); '-' not compared"),
+                "differing token and at every later one on its own prefix: a rounding near-tie (bf16 or packed "
+                "weights can round two logits level) or unexplained (a bug; bench exits with status 1); '-' not "
+                "compared"),
     ]
 
 
@@ -964,7 +966,8 @@ def _config_meaning(data: dict, configs: list[dict], aliases: dict[str, str]) ->
         parts.append(f"{TREESPEC_AR}: treespec without a draft (one token per forward, on treespec's weights): its "
                      "decoding without speculation")
     if HF_LOOKUP in kinds:
-        on = " (on the +fast weights)" if any(c["kind"] == HF_LOOKUP and c.get("fast") for c in configs) else ""
+        fast = data["settings"].get("fast_path") and any(c["kind"] == HF_LOOKUP and c.get("fast") for c in configs)
+        on = " (on the +fast weights)" if fast else ""
         parts.append(f"{HF_LOOKUP}-K: transformers' prompt lookup decoding, K tokens{on}")
     if any(c["kind"] == TREESPEC and c.get("draft") != "none" for c in configs):
         parts.append("DRAFT/TREE: treespec drafting with DRAFT (+lookup: prompt lookup grafted on) on trees TREE")

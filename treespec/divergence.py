@@ -140,7 +140,8 @@ def worst_greedy_shortfall(model_fp32, prompt: Sequence[int], tokens: Sequence[i
     if n <= 0:
         return -1, 0.0
     ids = torch.tensor([list(prompt) + list(tokens[:-1])], device=next(model_fp32.parameters()).device)
-    logits = model_fp32(input_ids=ids, attention_mask=torch.ones_like(ids), logits_to_keep=n).logits[0].float()
+    logits = model_fp32(input_ids=ids, attention_mask=torch.ones_like(ids), logits_to_keep=n,
+                        use_cache=False).logits[0].float()
     if processor is not None:  # each position's scores with its own history, as greedy saw them
         first = len(prompt) + start
         logits = torch.cat([processor(ids[:, : first + j], logits[j: j + 1]) for j in range(n)])

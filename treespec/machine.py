@@ -35,17 +35,22 @@ def machine_info() -> dict:
 
 def cpu_id() -> str | None:
     """What tells two CPUs of one model name apart (cloud VMs name several generations "AMD
-    EPYC"): ``/proc/cpuinfo``'s family, model and stepping and a digest of its flags, or None
-    where there is no such file."""
+    EPYC"): ``/proc/cpuinfo``'s identifying fields (x86: family, model, stepping; Arm: implementer,
+    variant, part, revision) and a digest of its flags (Arm: features). None where there is no
+    such file or it holds none of them (macOS, Windows: ``cpu`` alone tells the CPU there)."""
     try:
         with open("/proc/cpuinfo") as f:
             first = f.read().split("\n\n", 1)[0]  # the first processor's block
     except OSError:
         return None
-    fields = dict(ln.split(":", 1) for ln in first.splitlines() if ":" in ln)
-    fields = {k.strip(): v.strip() for k, v in fields.items()}
-    if not any(k in fields for k in ("cpu family", "model", "flags")):
+    fields = {k.strip(): v.strip() for k, v in (ln.split(":", 1) for ln in first.splitlines() if ":" in ln)}
+    ident = [k for k in _IDENT if k in fields]
+    flags = fields.get("flags") or fields.get("Features")
+    if not ident and flags is None:
         return None
-    flags = hashlib.sha256(" ".join(sorted(fields.get("flags", "").split())).encode()).hexdigest()[:8]
-    return (f"family {fields.get('cpu family', '?')} model {fields.get('model', '?')} "
-            f"stepping {fields.get('stepping', '?')} flags {flags}")
+    digest = hashlib.sha256(" ".join(sorted((flags or "").split())).encode()).hexdigest()[:8]
+    return ", ".join([*(f"{k} {fields[k]}" for k in ident), f"flags {digest}"])
+
+
+# /proc/cpuinfo fields that name a CPU's design and revision: x86's, then Arm's
+_IDENT = ("cpu family", "model", "stepping", "CPU implementer", "CPU variant", "CPU part", "CPU revision")

@@ -61,7 +61,7 @@ def summarise(path: Path, num_prompts: int, mt_bench: bool = False) -> dict:
             continue
         per = {n: [r["runs"][n] for r in done] for n in names}
         base = rate(per[BASE])
-        same = max(rate(per[n]) for n in (BASE, PACKED) if n in per)  # as the bench picks it
+        same = max(rate(per[n]) for n in (BASE, PACKED) if n in per)  # per category (the bench: over the run)
         c = {"num_prompts": len(done), "of": sum(cat in ls for ls in labels), "configs": {}}
         for n in names:
             acc = [a for run in per[n] if run["metrics"] for a in run["metrics"]["accepted"]]

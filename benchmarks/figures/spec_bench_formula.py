@@ -31,9 +31,8 @@ def formula(report: dict) -> dict:
             base = [p["results"][BASE] for p in ps]
             pooled = (sum(r["new_tokens"] for r in mine) / sum(r["seconds"] for r in mine)) / (
                 sum(r["new_tokens"] for r in base) / sum(r["seconds"] for r in base))
-            rows[cat] = {"speedup": round(pooled if cat != "overall" else c["overall_speedup"], 3),
-                         "spec_bench": round(sum(r["tokens_per_second"] for r in mine)
-                                             / sum(r["tokens_per_second"] for r in base), 3)}
+            spec_bench = sum(r["tokens_per_second"] for r in mine) / sum(r["tokens_per_second"] for r in base)
+            rows[cat] = {"speedup": pooled if cat != "overall" else c["overall_speedup"], "spec_bench": spec_bench}
         out[name] = rows
     return out
 
