@@ -20,7 +20,6 @@ follows its prompt alone.
 
 from __future__ import annotations
 
-import copy
 from typing import Callable
 
 import torch
@@ -28,7 +27,7 @@ from transformers.generation.logits_process import LogitsProcessorList, PrefixCo
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
 from .engine import _checked_run, _loop, _seeds
-from .processing import NodeProcessor, RequestDecoding, _checked
+from .processing import NodeProcessor, RequestDecoding, _checked, row_config
 
 __all__ = ["custom_generate"]
 
@@ -76,11 +75,8 @@ def custom_generate(draft, tree_cfg="auto", *, attention_backend: str = "auto", 
         asked = StoppingCriteriaList(c for c in stopping_criteria if not _config_ends(c, gc))
         decodings = []
         for b, (p, s) in enumerate(zip(prompts, seeds)):
-            row_cfg = copy.copy(gc)
-            row_cfg.max_length = len(p) + max_new
-            if gc.min_new_tokens is not None:  # generate set min_length from the padded width
-                row_cfg.min_length = len(p) + gc.min_new_tokens
-            procs = _row_processors(model, row_cfg, len(p), logits_processor, slots, own)
+            # (generate set max_length and min_length from the padded width)
+            procs = _row_processors(model, row_config(gc, len(p), max_new), len(p), logits_processor, slots, own)
             stop = _PaddedRow(asked, input_ids[b: b + 1, : pads[b]]) if asked else None
             decodings.append(RequestDecoding(NodeProcessor.of(procs), s, stop))
         if streamer is not None:  # transformers 5 hands the callable none (docs/generation.md); a caller may

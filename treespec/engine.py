@@ -13,7 +13,6 @@ controller; ``_StepTimer`` adds each stage's time to the metrics.
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import logging
 import numbers
@@ -35,7 +34,8 @@ from .mask import causal_mask
 from .prefix_cache import PrefixCache, PrefixUse
 from .runner import ModelRunner
 from .constraints import DraftRules
-from .processing import NodeProcessor, RequestDecoding, exact_generation_config, resolve_generation_config
+from .processing import (NodeProcessor, RequestDecoding, exact_generation_config, resolve_generation_config,
+                         row_config)
 from .sampling import SamplingParams
 from .tree import Tree
 from .verify import Verdict, verify_greedy
@@ -353,10 +353,7 @@ def _decodings(model, prompts: list[list[int]], eos: set[int], max_new: int, tem
     stop = _stopping(configs[0], stopping_criteria, tokenizer)
     out = []
     for c, p, s in zip(configs, prompts, seeds):
-        c = copy.copy(c)
-        c.max_length = len(p) + max_new  # where forced_eos_token_id forces EOS, as generate sets it
-        if c.min_new_tokens is not None:  # it takes precedence over min_length, as in generate
-            c.min_length = len(p) + c.min_new_tokens
+        c = row_config(c, len(p), max_new)
         out.append(RequestDecoding(NodeProcessor.build(model, c, len(p), logits_processor),
                                    s if c.do_sample else None, stop))
     return out

@@ -40,7 +40,7 @@ from transformers.generation.logits_process import LogitsProcessorList, TopPLogi
 from .tree import Tree
 
 __all__ = ["NodeProcessor", "RequestDecoding", "SortFreeTopP", "path_tokens", "gumbel_noise", "resolve_generation_config",
-           "exact_generation_config", "UNSUPPORTED"]
+           "exact_generation_config", "row_config", "UNSUPPORTED"]
 
 # GenerationConfig fields that cannot be exact on trees, with the reason a user is told.
 UNSUPPORTED = {
@@ -100,6 +100,17 @@ def exact_generation_config(model, **fields) -> GenerationConfig:
         raise TypeError(f"unexpected keyword argument {unknown[0]!r}: not an option of treespec.generate "
                         f"nor a field of transformers' GenerationConfig")
     return _checked(model, GenerationConfig(**fields))
+
+
+def row_config(config: GenerationConfig, prompt_len: int, max_new: int) -> GenerationConfig:
+    """``config`` for one request decoded as its prompt alone, its lengths set as ``generate``
+    sets them: ``max_length`` the prompt and the budget (where ``forced_eos_token_id`` forces
+    EOS), and ``min_length`` from ``min_new_tokens``, which takes precedence over it."""
+    c = copy.copy(config)
+    c.max_length = prompt_len + max_new
+    if c.min_new_tokens is not None:
+        c.min_length = prompt_len + c.min_new_tokens
+    return c
 
 
 def _checked(model, cfg: GenerationConfig) -> GenerationConfig:

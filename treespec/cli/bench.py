@@ -24,8 +24,8 @@ def add_arguments(p):
         "Run HF generate, HF prompt lookup and treespec configurations side by side on the same prompts (all "
         "configurations on prompt i before prompt i+1). Greedy outputs are checked token for token against HF "
         "generate; a difference is judged in fp32 at its first token and every later one (a rounding near-tie, "
-        "possible in bf16, or unexplained) and an unexplained treespec difference exits with status 1. Where oneDNN packs the weights "
-        "(and not --no-pack), HF generate also runs on packed weights, and the faster of plain and packed HF generate "
+        "possible in bf16, or unexplained) and an unexplained treespec difference exits with status 1. Where "
+        "oneDNN packs the weights (and not --no-pack), HF generate also runs on packed weights, and the faster of plain and packed HF generate "
         "is the same-path baseline; treespec and treespec without speculation (treespec-ar) run on the weights the "
         "start-up measurement chose (--pack: packed), as the header says.")
     add_model(p)

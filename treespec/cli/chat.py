@@ -99,8 +99,9 @@ class Chat:
         self.stats: list[Turn] = []
         self.tty = sys.stdin.isatty()
         self.context = getattr(self.model.config, "max_position_embeddings", None)
-        eos = self.model.generation_config.eos_token_id
-        self.eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+        from ..engine import _eos_set
+
+        self.eos = _eos_set(self.model, None)  # the model's, as the engine reads it
 
     def loop(self) -> str:
         """Lines until the session ends; returns why it ended."""
