@@ -12,12 +12,14 @@ non-decreasing by isotonic regression, linear interpolation between the measured
 The curve is cached as JSON in ``treespec.models.cache_dir() / "costs"``, one file per key
 (model identity, dtype, backend, threads, device name, packed weights); ``refresh=True``
 measures again. (The plain-against-packed timings of :mod:`treespec.pack_choice` live there
-too, as ``packing-*.json``, timed with :func:`prefixed_forward` and kept by the same rule.) Another process on the cores distorts the measurement, so a curve is cached
-only when its samples agree: one whose samples of a size spread by more than ``MAX_SPREAD`` of
-their median (or that had time for one round only) serves the run that measured it and is
-measured again next time; and ``auto`` drops a cached curve that its live steps contradict
-(:func:`drop_cached_cost_curve`). What is measured is logged at INFO (the command line shows
-it), since a first run pays for it.
+too, as ``packing-*.json``, timed with :func:`prefixed_forward` and kept by the same rule.)
+Another process on the cores distorts the measurement, so a curve is written to the disk only
+when its samples agree: one whose samples of a size spread by more than ``MAX_SPREAD`` of
+their median (or that had time for one round only) serves the process that measured it and
+is measured again by the next process. Either way a curve is measured at most once per
+process: every generation of a chat, a bench or a Python session reads this process's copy.
+``auto`` drops a cached curve that its live steps contradict (:func:`drop_cached_cost_curve`).
+What is measured is logged at INFO (the command line shows it), since a first run pays for it.
 """
 
 from __future__ import annotations
@@ -53,6 +55,10 @@ BUDGET_SECONDS = 8.0
 # curve may have and still be cached: an idle machine's is a few percent; cores that other
 # processes keep busy give tens of percent (a forward waits whole time slices).
 MAX_SPREAD = 0.25
+# This process's curves, by their disk cache file (so a process that changes TREESPEC_CACHE
+# reads another set): the noisy ones the disk does not keep included. A chat measured its
+# noisy curve again on every turn, 17-23 s each (issue 50).
+_MEASURED: dict[Path, CostCurve] = {}
 
 
 @dataclass(frozen=True)
@@ -249,13 +255,18 @@ def write_cached(path: Path, key: dict, field: str, value: dict) -> None:
 
 
 def cached_cost_curve(runner, max_tokens: int, refresh: bool = False) -> CostCurve:
-    """The disk-cached curve for ``runner``'s key, measured when missing, too short for
-    ``max_tokens`` or ``refresh``, and saved only if its samples agree (``MAX_SPREAD``); the
-    model must be attached."""
+    """The curve for ``runner``'s key: this process's (:data:`_MEASURED`), else the disk
+    cache's, measured when missing, too short for ``max_tokens`` or ``refresh``; saved to disk
+    only if its samples agree (``MAX_SPREAD``), kept for the process in any case, so that every
+    generation of a chat, a bench or a Python session reuses one measurement. The model must be
+    attached."""
     key = cost_key(runner)
     path = cache_file(key)
-    cached = None if refresh else read_cached(path, key, "curve", CostCurve.from_json, "cost curve")
+    cached = None
+    if not refresh:
+        cached = _MEASURED.get(path) or read_cached(path, key, "curve", CostCurve.from_json, "cost curve")
     if cached is not None and cached.max_tokens >= max_tokens:
+        _MEASURED[path] = cached
         return cached
     log.info("measuring what a verify forward of 1 to %d tokens costs here (%s, %s, %d thread(s)), for the auto "
              "tree: at most %.0f s, once per model, dtype and thread count", max_tokens, key["device"], key["dtype"],
@@ -264,10 +275,12 @@ def cached_cost_curve(runner, max_tokens: int, refresh: bool = False) -> CostCur
     curve = measure_cost_curve(runner, max_tokens)
     took = time.perf_counter() - t0
     points = ", ".join(f"{q}: {s * 1e3:.1f} ms" for q, s in zip(curve.tokens, curve.seconds))
+    _MEASURED[path] = curve
     if curve.spread is not None and not curve.spread <= MAX_SPREAD:
-        log.warning("the verify cost measurement is mostly noise (%s): other processes on the cores? It serves this "
-                    "run and is not cached; it is measured again next run (%s)", "one round in the time allowed"
-                    if curve.spread == float("inf") else f"samples of one size spread by {curve.spread:.0%}", points)
+        log.warning("the verify cost measurement is mostly noise (%s): other processes on the cores? This process "
+                    "keeps it; it is not written to the disk cache, so the next run measures again (%s)",
+                    "one round in the time allowed" if curve.spread == float("inf")
+                    else f"samples of one size spread by {curve.spread:.0%}", points)
         return curve
     log.info("measured the verify cost in %.1f s (spread %.0f%%): %s", took, 100 * (curve.spread or 0.0), points)
     write_cached(path, key, "curve", curve.to_json())
@@ -275,9 +288,12 @@ def cached_cost_curve(runner, max_tokens: int, refresh: bool = False) -> CostCur
 
 
 def drop_cached_cost_curve(key: dict, curve: CostCurve) -> bool:
-    """Remove the disk cache's curve for ``key`` if it is ``curve`` (another process may have
-    measured a new one meanwhile); True if removed."""
+    """Forget ``curve`` for ``key``: this process's copy, and the disk cache's if it is
+    ``curve`` (another process may have measured a new one meanwhile); True if removed from
+    the disk."""
     path = cache_file(key)
+    if _MEASURED.get(path) == curve:
+        del _MEASURED[path]
     try:
         data = json.loads(path.read_text())
         if CostCurve.from_json(data["curve"]) != curve:
