@@ -494,7 +494,7 @@ def test_bench_wide_shows_every_column(capsys, tiny_dataset, lm_dir):
 
 
 def test_bench_mismatch_exits_nonzero(capsys, monkeypatch, tiny_dataset, lm_dir):
-    import treespec.bench as bench
+    import treespec.bench.running as bench
 
     real = bench.ts_generate
 

@@ -464,7 +464,7 @@ def test_bench_runs_the_same_advantage_baselines(monkeypatch):
     configs = [BenchConfig.hf_generate(fast=True), BenchConfig.treespec_ar(),
                BenchConfig.treespec(NgramDrafter(), TreeConfig.chain(3), "ngram", "chain-3")]
     # Which configurations ran on the packed weights: count packed forwards per run.
-    import treespec.bench as bench
+    import treespec.bench.running as bench
 
     calls, runs = [0], []
     real_forward, real_run = PackedLinear.forward, bench._run_one_inner
@@ -502,7 +502,7 @@ def test_bench_runs_the_same_advantage_baselines(monkeypatch):
 def test_bench_runs_treespec_plain_where_plain_wins_and_packed_hf_beside(monkeypatch):
     """A plain choice: treespec's configurations (its own one-token decoding too) run on plain
     weights, HF generate on both; the choice and its timings are recorded and headed."""
-    import treespec.bench as bench
+    import treespec.bench.running as bench
     from treespec.bench import header_lines
 
     model = tiny_model("llama", seed=9)
@@ -533,7 +533,7 @@ def test_bench_runs_treespec_plain_where_plain_wins_and_packed_hf_beside(monkeyp
 def _hf_result(rates: dict[str, float]):
     """A bench result whose configurations generated 10 tokens a prompt at ``rates`` tok/s."""
     from treespec.bench import BenchResult, ConfigResult, RunRecord
-    from treespec.sampling import SamplingParams
+    from treespec.sampling_args import SamplingParams
 
     made = {"hf-generate": BenchConfig.hf_generate(), "hf-generate+fast": BenchConfig.hf_generate(fast=True),
             "hf-prompt-lookup-3": BenchConfig.hf_lookup(3)}

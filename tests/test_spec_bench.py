@@ -127,7 +127,7 @@ def test_two_turns_each_after_the_own_answer_and_greedy_exact(chat_lm):
 def test_a_second_turn_difference_is_judged_in_that_turn(chat_lm, monkeypatch):
     """A wrong token in turn 2 only: found at its place in the whole output, and judged
     (unexplained) against the fp32 model given turn 2's own prompt."""
-    import treespec.bench as bench
+    import treespec.bench.running as bench
 
     model, tok = chat_lm
     real, calls = bench.ts_generate, []
@@ -151,7 +151,7 @@ def test_a_second_turn_difference_is_judged_in_that_turn(chat_lm, monkeypatch):
 def test_tokens_after_a_near_tie_are_judged_on_their_own_prefix(chat_lm, monkeypatch):
     """An output that leaves HF generate's at a near-tie and later emits a token greedy decoding
     would not (on its own prefix) is unexplained: the first difference alone passed it."""
-    import treespec.bench as bench
+    import treespec.bench.running as bench
 
     model, tok = chat_lm
     prompts, _ = load_bench_prompts("spec-bench:qa", tok, 1)
@@ -314,13 +314,14 @@ def test_a_journal_of_other_settings_is_refused(chat_lm, tmp_path):
 
 
 def test_the_journal_keeps_a_judged_difference(tmp_path):
-    from treespec.bench import RunRecord, _Journal
+    from treespec.bench import RunRecord
+    from treespec.bench.journal import Journal
     from treespec.divergence import Divergence
 
     path = tmp_path / "j.jsonl"
-    book = _Journal(path, {"k": 1})
+    book = Journal(path, {"k": 1})
     d0 = Divergence(position=3, reference_token=7, token=9, fp32_shortfall=0.01, tolerance=0.5)
     book.append(0, {"a": RunRecord([1, 2], 0.5, {"num_steps": 2}, [[4, 5]], [2])}, {"a": d0})
-    (runs, divergences), = _Journal(path, {"k": 1}).done
+    (runs, divergences), = Journal(path, {"k": 1}).done
     assert runs["a"] == RunRecord([1, 2], 0.5, {"num_steps": 2}, [], [2])  # the turns' prompts are not kept
     assert divergences["a"] == d0 and divergences["a"].near_tie
