@@ -14,8 +14,10 @@ through the compiled CPU kernel, which skips the tiles the tables leave out.
 
 from __future__ import annotations
 
+import gc
 import shutil
 import sys
+import weakref
 
 import pytest
 import torch
@@ -26,7 +28,8 @@ import treespec
 from tiny import tiny_model
 from treespec import Tree
 from treespec.attention import (
-    FlexBackend, TorchBackend, flashinfer_available, flashinfer_plan_args, flex_block_mask, flex_problem, get_backend,
+    FlashInferBackend, FlashInferPlan, FlexBackend, TorchBackend, backend_for, flashinfer_available,
+    flashinfer_plan_args, flex_block_mask, flex_problem, get_backend,
     make_batch,
 )
 from treespec.drafters.model import ModelDrafter
@@ -170,6 +173,72 @@ def test_get_backend():
         get_backend("bogus", "cpu")
     with pytest.raises(ValueError, match="flex' runs on CPU and CUDA devices, not meta"):
         get_backend("flex", "meta")
+
+
+def test_one_backend_per_model_and_device():
+    """``backend_for`` builds a model's backend once and hands out the same object after that
+    (``auto`` is the backend it stands for), one per model and per name, and lets it go with
+    its model; every ModelRunner of the model (one per ``generate`` call) gets it."""
+    a, b = tiny_model("llama", 0), tiny_model("llama", 1)
+    kept = backend_for(a, "torch", "cpu")
+    assert type(kept) is TorchBackend
+    assert backend_for(a, "auto", "cpu") is kept and backend_for(a, "torch", torch.device("cpu")) is kept
+    assert type(backend_for(a, "flex", "cpu")) is FlexBackend
+    assert backend_for(b, "torch", "cpu") is not kept
+    assert ModelRunner(a).backend is kept and ModelRunner(a, "torch").backend is kept
+    gone = weakref.ref(kept)
+    del a, kept
+    gc.collect()
+    assert gone() is None
+
+
+def test_generate_calls_reuse_the_target_and_draft_backends(monkeypatch):
+    """Two ``generate`` calls plan every forward, the target's and a draft model's, on the same
+    two backend objects."""
+    planned = []
+    plan = TorchBackend.plan
+    monkeypatch.setattr(TorchBackend, "plan", lambda self, batch: planned.append(self) or plan(self, batch))
+    model, draft = tiny_model("llama", 0), tiny_model("llama", 0)
+    used = []
+    for _ in range(2):
+        planned.clear()
+        treespec.generate(model, ModelDrafter(draft), "chain-3", [[1, 2, 3, 4]], max_new_tokens=6)
+        used.append({id(b) for b in planned})
+    assert used[0] == used[1] == {id(backend_for(model, "torch", "cpu")), id(backend_for(draft, "torch", "cpu"))}
+
+
+class _FakeWrapper:
+    """Stands in for FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper``: records ``plan``."""
+
+    def __init__(self):
+        self.plans = []
+
+    def plan(self, *args, **kw):
+        self.plans.append((args, kw))
+
+    def run(self, q, kv):
+        return torch.zeros_like(q)
+
+
+def test_flashinfer_backend_plans_its_wrapper_once_per_forward():
+    """A FlashInfer backend shared by forwards (without the package: its wrapper faked) gets a
+    typed plan per forward, plans the wrapper at the forward's first layer only, and again for
+    the next forward, with that forward's index data."""
+    backend = FlashInferBackend.__new__(FlashInferBackend)  # no flashinfer here: no workspace
+    backend.wrapper = _FakeWrapper()
+    for sizes in ([3, 2], [1]):
+        _, batch = build_batch([4, 1][: len(sizes)], [(causal_mask(n), torch.arange(n)) for n in sizes], 4, 0)
+        batch.backend = backend
+        batch.plan = backend.plan(batch)
+        assert isinstance(batch.plan, FlashInferPlan) and batch.plan.planned_scale is None
+        want = flashinfer_plan_args(batch)
+        q = torch.zeros(sum(sizes), 2, 2)  # [T, H, D]
+        for _ in range(3):  # the forward's layers (the one-layer cache's, read thrice)
+            backend.run(batch, 0, q, 0.5)
+        assert batch.plan.planned_scale == 0.5
+        args, kw = backend.wrapper.plans[-1]
+        assert torch.equal(args[1], want.kv_indptr) and torch.equal(kw["custom_mask"], want.custom_mask)
+    assert len(backend.wrapper.plans) == 2
 
 
 def test_flex_on_a_torch_without_flex_attention_says_so(monkeypatch):

@@ -6,7 +6,8 @@ then ``m_b`` tokens after the prefix of which the last ``n_b`` are this forward'
 a local bool mask ``[n_b, m_b]`` says which of those each new token sees (``m_b > n_b`` when
 a drafter extends its own tree level by level; ``m_b == n_b`` for verification and prefill).
 
-Backends share one interface, ``plan`` once per forward and ``run`` per layer:
+Backends share one interface, ``plan`` once per forward and ``run`` per layer, and are built
+once per model and device (:func:`backend_for`):
     TorchBackend       reference; dense bool mask and SDPA over gathered pages; CPU and GPU.
     FlexBackend        the torch backend's K/V and mask, attended by PyTorch's flex_attention
                        with the mask as a BlockMask (compiled through triton on CUDA); CPU and
@@ -23,6 +24,7 @@ import functools
 import importlib.util
 import logging
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -32,8 +34,8 @@ from transformers import AttentionInterface
 
 from .kv_cache import PagedKVCache, as_slice
 
-__all__ = ["ForwardBatch", "TorchBackend", "FlexBackend", "FlashInferBackend", "get_backend", "ATTENTION_NAME",
-           "kv_dtype", "flex_block_mask"]
+__all__ = ["ForwardBatch", "TorchBackend", "FlexBackend", "FlashInferBackend", "FlashInferPlan", "get_backend",
+           "backend_for", "ATTENTION_NAME", "kv_dtype", "flex_block_mask"]
 
 ATTENTION_NAME = "treespec"
 
@@ -391,12 +393,25 @@ def flashinfer_plan_args(batch: ForwardBatch) -> FlashInferPlanArgs:
     )
 
 
+@dataclass
+class FlashInferPlan:
+    """One forward's FlashInfer plan: its index data, and whether the wrapper holds it yet."""
+
+    args: FlashInferPlanArgs  # on the cache's device
+    # The softmax scale the wrapper was planned with for this forward; None until the first
+    # layer plans it (the scale comes with the layer's call). Each forward's plan starts at
+    # None, so a wrapper shared by successive forwards is planned again for each.
+    planned_scale: float | None = None
+
+
 class FlashInferBackend(AttentionBackend):
     """FlashInfer's paged prefill kernel with the tree as a custom mask (fa2 backend).
 
-    ``plan()`` runs once per forward (at the first layer, when the softmax scale is known)
-    and is reused by every layer. Custom masks run only on fa2 and are passed unpacked: the
-    packed form has an open offset bug for batches (facts.md section 4).
+    The wrapper's ``plan()`` runs once per forward (at the first layer, when the softmax scale
+    is known) and is reused by every layer. Custom masks run only on fa2 and are passed
+    unpacked: the packed form has an open offset bug for batches (FlashInfer PR 2201). One
+    backend (its 128 MiB workspace and wrapper) serves every forward of its model
+    (:func:`backend_for`): forwards run one after another, each planning the wrapper anew.
     """
 
     name = "flashinfer"
@@ -408,10 +423,10 @@ class FlashInferBackend(AttentionBackend):
         self.workspace = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device=device)
         self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
 
-    def plan(self, batch):
+    def plan(self, batch) -> FlashInferPlan:
         args = flashinfer_plan_args(batch)
         dev = batch.cache.device
-        return {"args": FlashInferPlanArgs(*(t.to(dev) for t in vars(args).values())), "planned": None}
+        return FlashInferPlan(FlashInferPlanArgs(*(t.to(dev) for t in vars(args).values())))
 
     def run(self, batch, layer, q, scaling, sliding_window=None):
         if sliding_window is not None:
@@ -419,17 +434,17 @@ class FlashInferBackend(AttentionBackend):
                 "sliding-window attention with tree masks is implemented in the torch backend "
                 "only: use attention_backend='torch'"
             )
-        state = batch.plan
-        k_cache = batch.cache.k[layer]
-        if state["planned"] != scaling:
-            a = state["args"]
+        p: FlashInferPlan = batch.plan
+        k_cache = batch.cache.k[layer]  # [pages, page_size, Hkv, D] (NHD)
+        if p.planned_scale != scaling:
+            a = p.args
             self.wrapper.plan(
                 a.qo_indptr, a.kv_indptr, a.kv_indices, a.kv_last_page_len,
                 q.shape[1], k_cache.shape[2], q.shape[2], batch.cache.page_size,
                 custom_mask=a.custom_mask, causal=False, pos_encoding_mode="NONE",
                 sm_scale=scaling, q_data_type=q.dtype, kv_data_type=k_cache.dtype,
             )
-            state["planned"] = scaling
+            p.planned_scale = scaling
         return self.wrapper.run(q, (k_cache, batch.cache.v[layer]))
 
 
@@ -443,10 +458,39 @@ def flashinfer_available() -> bool:
     return True
 
 
-def get_backend(name: str, device) -> AttentionBackend:
-    device = torch.device(device)
+def backend_name(name: str, device) -> str:
+    """The backend ``name`` stands for on ``device``: ``auto`` is FlashInfer on CUDA when it is
+    installed, else torch (never flex); other names stand for themselves."""
     if name == "auto":
-        name = "flashinfer" if device.type == "cuda" and flashinfer_available() else "torch"
+        return "flashinfer" if torch.device(device).type == "cuda" and flashinfer_available() else "torch"
+    return name
+
+
+# owner module -> (backend name, device) -> the backend built for it; an entry goes when its
+# module is collected (nothing a backend holds refers back to the module).
+_BUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def backend_for(owner: torch.nn.Module, name: str, device) -> AttentionBackend:
+    """The attention backend ``name`` for the module ``owner`` (a target model, a draft model,
+    an EAGLE head) on ``device``: built on the first call, the same object on every later one
+    while ``owner`` lives, so ``generate`` calls and draft sessions share one (FlashInfer's
+    holds a 128 MiB workspace). A backend serves one forward at a time: the one model attends
+    through it layer after layer, as its attention implementation is switched for the run.
+    Raises ValueError as :func:`get_backend` does."""
+    device = torch.device(device)
+    key = (backend_name(name, device), str(device))
+    kept = _BUILT.setdefault(owner, {})
+    if key not in kept:
+        kept[key] = get_backend(key[0], device)
+    return kept[key]
+
+
+def get_backend(name: str, device) -> AttentionBackend:
+    """A new attention backend ``name`` (``auto``, ``torch``, ``flex``, ``flashinfer``) for
+    ``device``; :func:`backend_for` keeps one per model instead."""
+    device = torch.device(device)
+    name = backend_name(name, device)
     if name == "torch":
         return TorchBackend()
     if name == "flex":

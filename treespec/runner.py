@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from .attention import ATTENTION_NAME, AttentionBackend, get_backend, kv_dtype, make_batch
+from .attention import ATTENTION_NAME, AttentionBackend, backend_for, kv_dtype, make_batch
 from .kv_cache import PagedKVCache
 
 __all__ = ["ModelRunner", "ForwardOutput", "FINAL_NORM", "check_supported", "SUPPORTED_MODEL_TYPES"]
@@ -57,7 +57,10 @@ class ModelRunner:
 
     Args:
         model:          a transformers causal LM (eval mode).
-        backend:        ``"auto"``, ``"torch"``, ``"flex"``, ``"flashinfer"`` or a backend object.
+        backend:        ``"auto"``, ``"torch"``, ``"flex"``, ``"flashinfer"`` (the model's
+                        backend of that name, built on first use and shared by every runner
+                        of the model: :func:`~treespec.attention.backend_for`) or a backend
+                        object.
         feature_layers: target features to capture: layer indices (the hidden state
                         entering that decoder layer) and/or :data:`FINAL_NORM`; concatenated
                         in the order given.
@@ -69,7 +72,7 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.backend: AttentionBackend = (
-            get_backend(backend, self.device) if isinstance(backend, str) else backend
+            backend_for(model, backend, self.device) if isinstance(backend, str) else backend
         )
         self.feature_layers = tuple(feature_layers) if feature_layers else ()
         cfg = model.config
