@@ -332,3 +332,58 @@ def test_chat_needs_a_chat_template(capsys, monkeypatch, tmp_path):
     plain = save_tiny_lm(tmp_path / "plain")
     rc, _, err = run_chat(capsys, monkeypatch, ["hi"], "--model", str(plain), *FLAGS)
     assert rc == 2 and "has no chat template, which treespec chat needs" in err
+
+
+# ---- one cost measurement a session, and no log line inside the conversation (issue 50) ----
+
+NOISY_CHAT = """
+import logging, sys
+import treespec.costs as costs, treespec.engine as engine
+from treespec.cli import main
+
+measured = []
+def noisy(runner, max_tokens):  # as on a busy machine: not written to the disk cache
+    measured.append(max_tokens)
+    return costs.CostCurve((1, max_tokens), (1e-5, 2e-5), spread=float("inf"))
+
+real = engine.stream
+def stream(*a, **k):  # a library note on every call: the warm-up's, then one a turn
+    logging.getLogger("treespec.engine").warning("a note from call %d", len(calls))
+    calls.append(1)
+    yield from real(*a, **k)
+
+calls = []
+costs.measure_cost_curve, engine.stream = noisy, stream
+code = main(sys.argv[1:])
+print("MEASURED", len(measured), file=sys.stderr)
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("log_file", [False, True])
+def test_a_chat_measures_once_and_keeps_log_lines_out_of_the_conversation(lm_dir, tmp_path, log_file):
+    """Issue 50: chat measured the verify cost again on every turn (a noisy curve is not cached
+    on disk) and printed the log block into the conversation each time."""
+    log = tmp_path / "chat.log"
+    argv = ["chat", "--model", lm_dir, "--draft", "ngram", "--tree", "auto", "--dtype", "float32", "--threads", "1",
+            "--max-new-tokens", "6", "--prefix-cache-mb", "0", *(["--log-file", str(log)] if log_file else [])]
+    p = subprocess.run([sys.executable, "-c", NOISY_CHAT, *argv], input="Once upon a time\nThe dog ran\n/stats\n",
+                       capture_output=True, text=True, env=ENV, timeout=300, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    err = p.stderr.splitlines()
+    assert "MEASURED 1" in err  # the warm-up's, reused by both turns
+    banner = next(i for i, ln in enumerate(err) if ln.startswith("treespec: chat with"))
+    assert any("mostly noise" in ln for ln in err[:banner])  # said before the conversation
+    assert any("a note from call 0" in ln for ln in err[:banner])  # the warm-up's note, also before it
+    ended = err.index("treespec: chat ended (end of input)")
+    inside = err[banner + 1:ended]
+    held = [i for i, ln in enumerate(inside) if ln.startswith("treespec: log lines held back")]
+    conversation = inside[:held[0]] if held else inside
+    assert not [ln for ln in conversation if ln.startswith(("WARNING", "INFO"))], p.stderr
+    assert "WARNING" not in p.stdout and len(stats_rows(p.stdout)) == 2
+    notes = ["WARNING treespec.engine: a note from call 1", "WARNING treespec.engine: a note from call 2"]
+    if log_file:
+        assert not held
+        assert [ln.split(" ", 2)[2] for ln in log.read_text().splitlines()] == notes  # after the time stamp
+    else:
+        assert inside[held[0] + 1:] == notes

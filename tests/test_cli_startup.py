@@ -21,6 +21,8 @@ from treespec.cli import export as cli_export
 from treespec.cli import loading
 from treespec.models import LoadProgress
 
+from tiny import save_tiny_lm
+
 REPO = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "transformers", "numpy")
 
@@ -296,15 +298,77 @@ def test_busy_warning(n, cores, load, warns):
         assert "--threads" in msg and f"{load:.1f} of {cores}" in msg
 
 
-def test_default_threads_and_warning(monkeypatch, caplog):
+@pytest.mark.parametrize("cores, load, n", [
+    (2, 0.1, 2),  # an idle machine: one per core
+    (2, 5.5, 1),  # issue 50: load 5-6 on 2 cores, 10.3 tok/s on 2 threads, 37.5 on one
+    (2, 1.0, 1),
+    (1, 5.0, 1),  # one thread cannot wait on another: nothing to say
+    (8, 3.0, 5),  # the cores left free
+    (4, 0.4, 4),
+])
+def test_choose_threads_takes_the_free_cores(monkeypatch, cores, load, n):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    chosen, note = threads.choose_threads(cores=cores, load=load)
+    assert chosen == n
+    assert (note is not None) == (n < cores)
+    if note:
+        assert f"{load:.1f} of {cores} cores busy" in note and f"using {n} torch thread" in note
+        assert "--threads N overrides" in note and "\n" not in note
+    monkeypatch.setenv("OMP_NUM_THREADS", str(cores))  # the user's own choice stays
+    assert threads.choose_threads(cores=cores, load=load) == (cores, None)
+
+
+def test_setup_threads_uses_fewer_on_busy_cores(monkeypatch, caplog):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(threads, "default_threads", lambda: 1)
     loading.setup_threads(argparse.Namespace(threads=None))
     assert torch.get_num_threads() == 1
 
     monkeypatch.setattr(threads, "default_threads", lambda: 2)
-    monkeypatch.setattr(threads, "busy_warning", lambda n: f"busy, {n} threads")
+    monkeypatch.setattr(threads, "busy_cores", lambda: 5.5)
     with caplog.at_level(logging.WARNING, logger="treespec.cli"):
         loading.setup_threads(argparse.Namespace(threads=None))
-        assert torch.get_num_threads() == 2
+        assert torch.get_num_threads() == 1
         loading.setup_threads(argparse.Namespace(threads=2))  # the user's own choice: no advice
-    assert [r.getMessage() for r in caplog.records] == ["busy, 2 threads"]
+        assert torch.get_num_threads() == 2
+    assert len(caplog.records) == 1 and "using 1 torch thread(s), not 2" in caplog.records[0].getMessage()
+
+
+BUSY_GENERATE = """
+import sys, torch
+import treespec.threads as threads
+threads.default_threads = lambda: 2
+threads.busy_cores = lambda *a, **k: 5.5  # the load average and the CPU sample of issue 50's machine
+from treespec.cli import main
+code = main(sys.argv[1:])
+print("THREADS", torch.get_num_threads(), file=sys.stderr)
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("given", [None, 2])
+def test_generate_on_busy_cores_runs_one_thread_and_says_so(tmp_path, given):
+    """Issue 50 (item 1): the command line used to warn and keep 2 threads on busy cores."""
+    lm = save_tiny_lm(tmp_path / "lm")
+    argv = ["generate", "--model", str(lm), "--draft", "ngram", "--tree", "chain-2", "--prompt", "Once upon",
+            "--max-new-tokens", "4", "--dtype", "float32", *(["--threads", str(given)] if given else [])]
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    p = subprocess.run([sys.executable, "-c", BUSY_GENERATE, *argv], capture_output=True, text=True, cwd=REPO,
+                       env={**env, "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", "")}, timeout=300)
+    assert p.returncode == 0, p.stderr
+    said = [ln for ln in p.stderr.splitlines() if "cores busy" in ln]
+    if given is None:
+        assert "THREADS 1" in p.stderr and len(said) == 1 and "--threads N overrides" in said[0]
+    else:
+        assert f"THREADS {given}" in p.stderr and not said
+
+
+def test_draft_layers_out_of_range_names_the_flag(capsys, tmp_path):
+    lm = save_tiny_lm(tmp_path / "lm")
+    capsys.readouterr()  # the save's progress bar
+    for spec in ("layers:99", "layers:0+lookup"):
+        rc = cli.main(["generate", "--model", str(lm), "--draft", spec, "--prompt", "Hi", "--dtype", "float32",
+                       "--threads", "1"])
+        assert rc == 2
+        line = one_line(capsys.readouterr().err)
+        assert line.startswith("treespec: error: --draft layers:K: K must be in 1..") and "num_layers" not in line

@@ -3,7 +3,9 @@
 torch runs one thread per core by default, and its threads wait on each other at every
 operation: when other processes hold the cores, each wait stretches to a scheduler time
 slice, and two threads on two busy cores run many times slower than one (README, "Threads",
-has the measurement). Imports nothing heavy: the command line asks before torch is loaded.
+has the measurement; issue 50: 10.3 tok/s on 2 threads, 37.5 on one, at a load of 5-6 on 2
+cores). So the command line's default (:func:`choose_threads`) takes the cores the load leaves
+free, at least one. Imports nothing heavy: the command line asks before torch is loaded.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import os
 import time
 from pathlib import Path
 
-__all__ = ["available_cpus", "physical_cores", "default_threads", "busy_cores", "busy_warning"]
+__all__ = ["available_cpus", "physical_cores", "default_threads", "busy_cores", "busy_warning", "choose_threads"]
 
 
 def available_cpus() -> list[int]:
@@ -107,3 +109,22 @@ def busy_warning(threads: int, cores: int | None = None, load: float | None = No
     return (f"other processes keep about {load:.1f} of {cores} core(s) busy: {threads} torch threads would "
             f"wait on each other; if generation is slow, try --threads {max(1, round(free))} "
             f"(README: Threads)")
+
+
+def choose_threads(cores: int | None = None, load: float | None = None) -> tuple[int, str | None]:
+    """``(threads, note)``: the torch threads to use when the user names none, and one line
+    saying why when they are fewer than :func:`default_threads`. ``$OMP_NUM_THREADS`` is the
+    user's choice and stays; otherwise, when other processes keep the cores busy (the load, by
+    :func:`busy_cores`, leaves fewer free than there are cores, within half a core; the rule
+    of :func:`busy_warning`), the free cores, at least one: on 2 cores, one once more than half
+    a core is busy."""
+    cores = default_threads() if cores is None else cores
+    if cores <= 1 or os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return cores, None
+    load = busy_cores() if load is None else load
+    free = max(cores - load, 0.0)
+    if cores <= free + 0.5:
+        return cores, None
+    n = max(1, min(cores - 1, round(free)))
+    return n, (f"other processes keep about {load:.1f} of {cores} cores busy: using {n} torch thread(s), not "
+               f"{cores}, as threads on busy cores wait on each other (--threads N overrides; README: Threads)")

@@ -9,6 +9,9 @@ Ctrl-C during an answer stops it, and what was shown stays in the conversation a
 assistant's reply: it is what the user read and may refer to next (an answer stopped before any
 text drops its message too). Ctrl-C at the prompt, end of input (Ctrl-D) and /exit end the
 session, with one line on stderr and exit status 0.
+
+An ``auto`` tree's costs are measured once, before the conversation, and one profile learns
+from every turn; log lines stay out of the conversation (:mod:`.notes`).
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ import sys
 import time
 from dataclasses import dataclass
 
-from .common import UserError, add_auto_profile, add_model, add_pair, add_runtime, add_sampling, log
-from .prompt import add_system, check_system
+from .common import UserError, add_auto_profile, add_model, add_pair, add_runtime, add_sampling
+from .notes import held_notes
+from .prompt_source import add_system, check_system
 
 PROMPT = ">>> "
 HELP = """\
@@ -49,13 +53,15 @@ def add_arguments(p):
     p.set_defaults(max_new_tokens=512)  # per answer
     add_runtime(p)
     add_auto_profile(p)
+    p.add_argument("--log-file", metavar="FILE", help="what is logged during the conversation goes to FILE (default: "
+                   "held back and shown when the session ends; -v shows it as it comes)")
 
 
 def run(args):
     from ..prefix_cache import PrefixCache
     from .loading import check, load, stream_options
 
-    sp, trees = check(args, [args.tree], [args.draft], then=[lambda: check_system(args), lambda: _check_cache(args)])
+    sp, trees = check(args, [args.tree], [args.draft], then=[lambda: check_system(args)])
     cfg, tree_name = trees[args.tree]
     options = stream_options(args, sp, cfg)
     loaded = load(args, [args.draft])
@@ -65,10 +71,12 @@ def run(args):
     drafter, draft_name = loaded.drafters[args.draft]
     cache = PrefixCache(max_bytes=args.prefix_cache_mb << 20) if args.prefix_cache_mb > 0 else None
     chat = Chat(loaded, drafter, cfg, options, args.system, cache)
-    print(f"treespec: chat with {args.model} (draft {draft_name}, tree {tree_name}); /help lists the commands, "
-          "Ctrl-D or /exit ends", file=sys.stderr, flush=True)
     with loaded.packed():
-        why = chat.loop()
+        chat.warm_up()
+        print(f"treespec: chat with {args.model} (draft {draft_name}, tree {tree_name}); /help lists the commands, "
+              "Ctrl-D or /exit ends", file=sys.stderr, flush=True)
+        with held_notes(args.verbose, args.log_file):
+            why = chat.loop()
     print(f"treespec: chat ended ({why})", file=sys.stderr, flush=True)
     return 0
 
@@ -102,6 +110,20 @@ class Chat:
         from ..engine import _eos_set
 
         self.eos = _eos_set(self.model, None)  # the model's, as the engine reads it
+
+    def warm_up(self) -> None:
+        """For an auto tree: the session's profile (what one turn learns serves the next) and its
+        cost curve, measured or read before the conversation, not inside the first answer."""
+        from ..auto import AutoProfile
+        from ..engine import stream
+        from ..prompts import encode_conversation
+
+        if self.cfg.auto:
+            profile = self.options["auto_profile"] = self.options["auto_profile"] or AutoProfile.starting(self.drafter)
+            ids = encode_conversation(self.tokenizer, ["Hi"], [], chat=True, system=self.system)
+            for _ in stream(self.model, self.drafter, self.cfg, ids, max_new_tokens=1,  # outside the prefix cache
+                            attention_backend=self.options["attention_backend"], auto_profile=profile):
+                pass
 
     def loop(self) -> str:
         """Lines until the session ends; returns why it ended."""
@@ -224,8 +246,3 @@ def stats_table(stats: list[Turn]) -> str:
     rows += [f"{n:>4} {t.prompt:>7} {cell(t.hits, 'd'):>7} {t.tokens:>7} {t.ttft:>7.2f} {cell(t.rate, '.1f'):>7} "
              f"{cell(t.tau, '.2f'):>5}" + ("  stopped" if t.stopped else "") for n, t in enumerate(stats, 1)]
     return "\n".join([*rows, LEGEND])
-
-
-def _check_cache(args):
-    if args.prefix_cache_mb < 0:
-        raise UserError(f"--prefix-cache-mb must be >= 0 (0: no prefix cache), got {args.prefix_cache_mb}")

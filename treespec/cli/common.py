@@ -140,13 +140,11 @@ def check_early(args):
         text = getattr(args, flag, None)
         if text is not None and not text.strip():
             raise UserError(f"--{flag} is empty: give the text to {verb}")
-    if getattr(args, "max_new_tokens", 1) < 1:
-        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    for flag in ("num_prompts", "lookup_tokens"):
-        if getattr(args, flag, 1) < 1:
-            raise UserError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    if getattr(args, "threads", None) is not None and args.threads < 1:
-        raise UserError(f"--threads must be >= 1, got {args.threads}")
+    for flag, least in (("max_new_tokens", 1), ("num_prompts", 1), ("lookup_tokens", 1), ("threads", 1),
+                        ("prefix_cache_mb", 0)):
+        value = getattr(args, flag, None)  # None: not this command's, or left to its default
+        if value is not None and value < least:
+            raise UserError(f"--{flag.replace('_', '-')} must be >= {least}, got {value}")
     device = getattr(args, "device", "auto")
     if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", device):
         raise UserError(f"--device {device!r}: use auto, cpu, cuda or cuda:N")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 from .common import add_auto_profile, add_model, add_pair, add_runtime, add_sampling
-from .prompt import add_prompt_source, add_system, prompt_ids, read_message
+from .prompt_source import add_prompt_source, add_system, prompt_ids, read_message
 
 
 def add_arguments(p):

@@ -117,10 +117,10 @@ def drafter(spec: str, model, tokenizer, backend: str, cuda_graphs: bool = False
     if spec.startswith("layers:"):
         from ..models import truncated_draft
 
-        try:
-            return ModelDrafter(truncated_draft(model, int(spec[len("layers:"):])), attention_backend=backend), spec
-        except ValueError as e:
-            raise UserError(str(e)) from None
+        k, total = int(spec[len("layers:"):]), model.config.num_hidden_layers
+        if not 1 <= k < total:  # the flag's words, not truncated_draft's num_layers
+            raise UserError(f"--draft layers:K: K must be in 1..{total - 1} (the target has {total} layers), got {k}")
+        return ModelDrafter(truncated_draft(model, k), attention_backend=backend), spec
     if spec.startswith("model:"):
         p = next(model.parameters())
         dmodel, dtok = load_model(spec[len("model:"):], p.dtype)
@@ -142,19 +142,18 @@ def drafter(spec: str, model, tokenizer, backend: str, cuda_graphs: bool = False
 
 
 def setup_threads(args, warn: bool = True) -> str | None:
-    """torch's threads: --threads, else one per physical core available to this process, with
-    a warning when other processes keep those cores busy (the threads then wait on each other),
-    logged, or returned with ``warn=False``."""
+    """torch's threads: --threads, else :func:`treespec.threads.choose_threads` (one per
+    physical core available to this process, fewer when other processes keep those cores busy),
+    with its one line saying so logged, or returned with ``warn=False``."""
     import torch
 
-    from ..threads import busy_warning, default_threads
+    from ..threads import choose_threads
 
-    threads = args.threads or default_threads()
+    threads, note = (args.threads, None) if args.threads else choose_threads()
     torch.set_num_threads(threads)
-    warning = busy_warning(threads) if args.threads is None else None
-    if warning and warn:
-        log.warning(warning)
-    return warning
+    if note and warn:
+        log.warning(note)
+    return note
 
 
 def fast_path(args, model, drafters=(), keep: bool = False):

@@ -8,7 +8,7 @@ import textwrap
 from pathlib import Path
 
 from .common import DEFAULT_DRAFT, UserError, add_model, add_runtime
-from .prompt import add_prompt_source, prompt_ids
+from .prompt_source import add_prompt_source, prompt_ids
 
 
 def add_arguments(p):
