@@ -14,7 +14,7 @@ would make every package ``__init__`` that re-exports its own submodules a cycle
 
 The rule (:func:`violations`): a module may import any module of a lower layer, and within its
 own layer only the entries listed before its own; the modules of one package entry
-(``drafters``, ``models``, ``train``, ``cli``) may import one another (the cycle test still
+(``drafters``, ``models``, ``engine``, ``train``, ``cli``, ...) may import one another (the cycle test still
 applies to them). :data:`EXCEPTIONS` names the imports allowed against the rule, each with its
 reason.
 """
@@ -40,8 +40,8 @@ class Layer:
 
 # Bottom to top.
 LAYERS: tuple[Layer, ...] = (
-    Layer("foundations", ("warn", "tree", "config", "builder", "verify", "processing", "constraints", "sampling", "mask", "data",
-                          "assets"),
+    Layer("foundations", ("warn", "tree", "config", "builder", "processing", "accept", "constraints", "sampling_args",
+                          "mask", "data", "assets"),
           "values and pure functions on them, and the files that ship; no model runs here"),
     Layer("execution", ("models", "packing", "threads", "kv_cache", "prefix_cache", "attention", "runner"),
           "loading a model and running its forward over trees on the paged KV cache"),

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from transformers import GenerationConfig
 
 import treespec
-import treespec.engine as engine
+from treespec.engine import loop
 from test_processing import VOCAB as _VOCAB, trees  # random trees over the same 16 tokens
 from tiny import tiny_model
 from treespec import Tree, TreeConfig
@@ -156,12 +156,12 @@ def test_no_verified_tree_holds_a_forbidden_node(monkeypatch, tmp_path, kind, tr
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4, 1], [2, 7, 1, 8, 2, 7, 1, 8]]
     procs = [processors(model, options | dict(eos_token_id=11), len(p)) for p in prompts]
     checked, pruned = [0], []
-    draft_step, prune = engine._draft, DraftRules.prune
+    draft_step, prune = loop._draft, DraftRules.prune
 
     def spy_draft(*args):
         trees = draft_step(*args)
-        active, rules = args[4], args[-1]
-        for b, r, t in zip(active, rules, trees):
+        for row, t in zip(args[4], trees):  # the active requests' records
+            b, r = row.index, row.rules
             for path in _token_paths(t):  # allowed after the request's history and its parent's path
                 assert path[-1] not in minus_inf(procs[b], list(r.sequence) + path[:-1]), (b, path)
                 checked[0] += 1
@@ -172,7 +172,7 @@ def test_no_verified_tree_holds_a_forbidden_node(monkeypatch, tmp_path, kind, tr
         pruned.append(out is not t)
         return out
 
-    monkeypatch.setattr(engine, "_draft", spy_draft)
+    monkeypatch.setattr(loop, "_draft", spy_draft)
     monkeypatch.setattr(DraftRules, "prune", spy_prune)
     out = treespec.generate(model, draft, tree, prompts, max_new_tokens=16, eos_token_id=11, **options)
     hf = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=16,

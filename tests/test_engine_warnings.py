@@ -21,7 +21,7 @@ from tiny import tiny_model
 from treespec import TreespecWarning
 from treespec.drafters.model import ModelDrafter
 from treespec.drafters.ngram import NgramDrafter
-from treespec.engine import _AcceptanceWatch
+from treespec.engine.loop import _AcceptanceWatch
 
 
 @pytest.fixture(autouse=True)

@@ -260,7 +260,7 @@ def test_the_root_caps_nothing():
 def _greedy_accepted(tree: Tree, target: list[int]) -> int:
     """Tokens the engine's greedy rule accepts from ``tree`` for a target whose greedy
     continuation after the root is ``target`` (off that path it predicts token 99)."""
-    from treespec.verify import verify_greedy
+    from treespec.accept import accept as verify_greedy
 
     paths = token_paths(tree)
     argmax = []

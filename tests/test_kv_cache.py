@@ -21,7 +21,7 @@ from treespec import Tree
 from treespec.kv_cache import CacheFullError, PagedKVCache
 from treespec.mask import causal_mask
 from treespec.runner import ModelRunner
-from treespec.verify import verify_greedy
+from treespec.accept import accept as verify_greedy
 
 V = 64
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])

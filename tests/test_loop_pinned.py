@@ -73,7 +73,7 @@ class Clocked(Drafter):
 
     def __init__(self, inner: Drafter, clock: Clock):
         self.inner, self.clock = inner, clock
-        self.feature_layers, self.samples, self.extra_nodes = inner.feature_layers, inner.samples, inner.extra_nodes
+        self.feature_layers, self.extra_nodes = inner.feature_layers, inner.extra_nodes
 
     def check_compatible(self, model):
         self.inner.check_compatible(model)
@@ -202,7 +202,7 @@ def test_pinned_greedy_cases_are_hf_generate():
 def test_the_fixed_tree_controller_answers_as_auto_does():
     """The loop calls a fixed tree's no-op controller as it calls an AutoController."""
     from treespec.auto import AutoController
-    from treespec.engine import _NoAuto
+    from treespec.engine.loop import _NoAuto
 
     for name in ("begin_step", "choose", "learn", "end_step"):
         ours, auto = inspect.signature(getattr(_NoAuto, name)), inspect.signature(getattr(AutoController, name))

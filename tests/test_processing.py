@@ -1,7 +1,8 @@
 """Generation options on trees (treespec.processing): each node processed with its own path
 equals transformers' processors on that node's history alone; options that cannot be exact
-are refused by name; Gumbel-max noise is a function of (seed, position) and its argmax is an
-exact sample."""
+are refused by name. The per-node choice (treespec.accept): choosing at the reached nodes alone
+gives the verdict of choosing at every node; Gumbel-max noise is a function of (seed, position)
+and its argmax is an exact sample."""
 
 from __future__ import annotations
 
@@ -15,9 +16,8 @@ from tiny import tiny_model
 from treespec import Tree
 from transformers import TopPLogitsWarper
 
-from treespec.processing import (NodeProcessor, RequestDecoding, SortFreeTopP, gumbel_noise, path_tokens,
-                                  resolve_generation_config)
-from treespec.verify import verify_greedy
+from treespec.accept import RequestDecoding, accept, gumbel_noise
+from treespec.processing import NodeProcessor, SortFreeTopP, path_tokens, resolve_generation_config
 
 VOCAB = 16
 
@@ -77,8 +77,8 @@ def test_each_node_is_processed_with_its_own_path(model, tree, options, sample, 
 @settings(max_examples=80, deadline=None)
 @given(tree=trees(), options=configs, sample=st.booleans(), history=st.lists(st.integers(0, VOCAB - 1), min_size=1,
                                                                                 max_size=8), data=st.data())
-def test_the_walk_chooses_as_every_node_would_where_verification_looks(model, tree, options, sample, history, data):
-    # Verification processes only the nodes it reaches (RequestDecoding.walk); its verdict must
+def test_choosing_at_reached_nodes_chooses_as_every_node_would_where_verification_looks(model, tree, options, sample, history, data):
+    # Verification processes only the nodes it reaches (choose_reached_nodes); its verdict must
     # be the one from every node's choice, and each reached node's choice the same.
     if sample:
         options.update(do_sample=True, temperature=data.draw(st.floats(0.3, 1.5)), top_p=data.draw(st.floats(0.5, 1.0)))
@@ -90,18 +90,18 @@ def test_the_walk_chooses_as_every_node_would_where_verification_looks(model, tr
     for i in range(1, tree.num_nodes):  # a likely child at most nodes: long accepted paths
         if data.draw(st.booleans()):
             logits[parents[i], int(tree.tokens[i])] += 4
-    full = decoding.choose(history, logits, tree)
-    lazy = decoding.walk(history, logits, tree)
+    full = decoding.choose_all_nodes(history, logits, tree)
+    lazy = decoding.choose_reached_nodes(history, logits, tree)
     reached = lazy >= 0
-    verdict = verify_greedy([tree], full[None])[0]
-    assert verify_greedy([tree], lazy[None])[0] == verdict
+    verdict = accept([tree], full[None])[0]
+    assert accept([tree], lazy[None])[0] == verdict
     assert torch.equal(lazy[reached], full[reached])
     assert torch.nonzero(reached).flatten().tolist() == verdict.path  # the accepted path, nothing more
 
 
 @settings(max_examples=80, deadline=None)
 @given(tree=trees(), dtype=st.sampled_from([torch.float32, torch.bfloat16]), data=st.data())
-def test_the_plain_greedy_walk_takes_the_first_maximum_of_each_reached_row(model, tree, dtype, data):
+def test_plain_greedy_choice_at_reached_nodes_takes_the_first_maximum_of_each_row(model, tree, dtype, data):
     # Greedy with no processors walks the path with an argmax of each reached row widened to
     # fp32; it must choose what the tree-wide argmax in the logits' own dtype chooses, ties
     # included (few distinct values: most rows tie at their maximum, as bf16 logits often do).
@@ -114,10 +114,10 @@ def test_the_plain_greedy_walk_takes_the_first_maximum_of_each_reached_row(model
         if data.draw(st.booleans()):
             logits[parents[i], int(tree.tokens[i])] = 3
     full = logits.argmax(-1)
-    lazy = decoding.walk([1], logits, tree)
+    lazy = decoding.choose_reached_nodes([1], logits, tree)
     reached = lazy >= 0
-    verdict = verify_greedy([tree], full[None])[0]
-    assert verify_greedy([tree], lazy[None])[0] == verdict
+    verdict = accept([tree], full[None])[0]
+    assert accept([tree], lazy[None])[0] == verdict
     assert torch.equal(lazy[reached], full[reached])
     assert torch.nonzero(reached).flatten().tolist() == verdict.path
 
@@ -202,7 +202,7 @@ def test_gumbel_matching_accepts_as_much_as_rejection_sampling():
     """Against top-k drafts, accepting a child exactly when it is the target's Gumbel sample
     accepts as many tokens on average as recursive rejection sampling (each child j is taken
     with probability p(x_j) under both rules): the engine's switch costs no acceptance."""
-    from treespec.verify import verify_greedy, verify_sampling
+    from rejection_sampling import verify_sampling
 
     torch.manual_seed(1)
     parents = [-1, 0, 0, 0, 1, 1, 4, 2]
@@ -216,6 +216,6 @@ def test_gumbel_matching_accepts_as_much_as_rejection_sampling():
     tree = Tree(parents, tokens)
     rejection = sum(v.num_accepted for v in verify_sampling([tree] * N, probs.expand(N, n, V), torch.rand(N, 4, 4)))
     g = -torch.log(-torch.log(torch.rand(N, int(tree.depth.max()) + 1, V)))
-    gumbel = sum(v.num_accepted for v in verify_greedy([tree] * N, (probs.log()[None] + g[:, tree.depth]).argmax(-1)))
+    gumbel = sum(v.num_accepted for v in accept([tree] * N, (probs.log()[None] + g[:, tree.depth]).argmax(-1)))
     assert rejection / N > 1.0  # the drafts are good enough for the comparison to mean something
     assert abs(gumbel - rejection) / N < 0.03  # about 4 standard errors of the difference

@@ -24,7 +24,7 @@ from treespec.costs import CostCurve
 from treespec.drafters.model import ModelDrafter
 from treespec.drafters.hybrid import HybridDrafter
 from treespec.drafters.ngram import NgramDrafter
-from treespec.processing import RequestDecoding
+from treespec.accept import RequestDecoding
 
 
 @functools.lru_cache(maxsize=None)
@@ -239,11 +239,11 @@ def test_engine_distribution_test_has_teeth(monkeypatch):
     speculative sampling goes wrong: a drafted child kept whenever the target allows it
     (processed probability above zero) instead of only when it is the target's own sample
     there. Same model, drafter, tree and N as the test it guards."""
-    walk = RequestDecoding.walk
+    choose = RequestDecoding.choose_reached_nodes
 
     def keep_any_allowed_child(self, history, logits, tree):
         if self.greedy:
-            return walk(self, history, logits, tree)
+            return choose(self, history, logits, tree)
         parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
         child = {(parents[i], tokens[i]): i for i in range(1, len(parents))}
         first = {}
@@ -253,7 +253,7 @@ def test_engine_distribution_test_has_teeth(monkeypatch):
         h, node, path = torch.as_tensor(history, dtype=torch.int64), 0, []
         while node >= 0:
             scores = self.processor(torch.cat([h, torch.tensor(path, dtype=torch.int64)]), logits[node: node + 1].float())
-            c = int(self.pick(scores, len(h) + len(path))[0])
+            c = int(self.choose_from_scores(scores, len(h) + len(path))[0])
             if node in first and bool(torch.isfinite(scores[0, tokens[first[node]]])):
                 c = tokens[first[node]]  # the bug: the draft's first child kept, sample or not
             out[node] = c
@@ -261,7 +261,7 @@ def test_engine_distribution_test_has_teeth(monkeypatch):
             path.append(c)
         return out
 
-    monkeypatch.setattr(RequestDecoding, "walk", keep_any_allowed_child)
+    monkeypatch.setattr(RequestDecoding, "choose_reached_nodes", keep_any_allowed_child)
     model = soft_model(1, vocab=E2E_V, peak=6.0)
     N = 400
     out = treespec.generate(model, ModelDrafter(twin(1, vocab=E2E_V, peak=6.0)), TreeConfig.dynamic(3, 3, 6),

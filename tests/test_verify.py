@@ -1,6 +1,7 @@
-"""Verification: literal greedy cases, and exact output distributions under sampling.
+"""Verification: the acceptance rule (``treespec.accept.accept``) on literal cases, and exact
+output distributions of the rejection-sampling reference (``tests/rejection_sampling.py``).
 
-Greedy cases are literal lists with the reason. The sampling tests replicate one small
+The rule's cases are literal lists with the reason. The sampling tests replicate one small
 tree over many trials in a single ``verify_sampling`` call (one row of uniforms per trial,
 from a seeded generator) and chi-square test the committed tokens against the processed
 target distribution (``SamplingParams.probs``): the first token against the root's, and,
@@ -30,7 +31,8 @@ import pytest
 import torch
 
 from treespec import SamplingParams, Tree
-from treespec.verify import Verdict, verify_greedy, verify_sampling
+from rejection_sampling import verify_sampling
+from treespec.accept import Verdict, accept
 
 # ---- greedy: literal cases ------------------------------------------------------------------
 
@@ -61,7 +63,7 @@ GREEDY_CASES = [
 
 @pytest.mark.parametrize("tree,argmax,path,tokens,reason", GREEDY_CASES, ids=[c[-1] for c in GREEDY_CASES])
 def test_greedy_literal(tree, argmax, path, tokens, reason):
-    (v,) = verify_greedy([tree], torch.tensor([argmax]))
+    (v,) = accept([tree], torch.tensor([argmax]))
     assert v == Verdict(path, tokens), reason
     assert v.num_accepted == len(path) - 1
 
@@ -74,7 +76,7 @@ def test_greedy_batch_with_padding():
         [3, -1, -1, -1, -1, -1, -1],
         [6, 0, 8, 0, 0, 2, 1],
     ])
-    got = verify_greedy(trees, argmax)
+    got = accept(trees, argmax)
     assert got == [Verdict([0, 1, 2, 3], [5, 3, 4, 9]), Verdict([0], [3]), Verdict([0, 2, 5, 6], [6, 8, 2, 1])]
 
 

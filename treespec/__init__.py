@@ -24,7 +24,7 @@ _EXPORTS = {
     "pack_mask": ".mask", "unpack_mask": ".mask",
     "generate": ".engine", "stream": ".engine", "GenerateOutput": ".engine", "SpecMetrics": ".engine",
     "RequestMetrics": ".engine", "StepOutput": ".engine",
-    "SamplingParams": ".sampling",
+    "SamplingParams": ".sampling_args",
     "load_draft": ".drafters.eagle",
     "AutoProfile": ".auto",
     "PrefixCache": ".prefix_cache",
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from .engine import GenerateOutput, RequestMetrics, SpecMetrics, StepOutput, generate, stream
     from .mask import pack_mask, unpack_mask
     from .prefix_cache import PrefixCache
-    from .sampling import SamplingParams
+    from .sampling_args import SamplingParams
     from .tree import Tree
     from .warn import TreespecWarning
 

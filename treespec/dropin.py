@@ -20,14 +20,18 @@ follows its prompt alone.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
 from transformers.generation.logits_process import LogitsProcessorList, PrefixConstrainedLogitsProcessor
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
-from .engine import _checked_run, _loop, _seeds
-from .processing import NodeProcessor, RequestDecoding, _checked, row_config
+from .accept import RequestDecoding
+from .engine import loop
+from .engine.options import GenerationOptions
+from .engine.request import describe_run, request_seeds
+from .processing import NodeProcessor, check_generation_config, row_config
 
 __all__ = ["custom_generate"]
 
@@ -42,7 +46,8 @@ def custom_generate(draft, tree_cfg="auto", *, attention_backend: str = "auto", 
     def decode(model, input_ids: torch.Tensor, logits_processor, stopping_criteria, generation_config,
                synced_gpus: bool = False, streamer=None, **model_kwargs):
         gc = generation_config
-        _checked(model, gc)  # beam search and the rest that cannot be exact: refused, as treespec.generate does
+        # beam search and the rest that cannot be exact: refused, as treespec.generate does
+        check_generation_config(model, gc)
         for name in _NOT_RETURNED:
             if getattr(gc, name, False):
                 raise ValueError(f"{name}=True: treespec's decoding returns sequences only")
@@ -55,10 +60,11 @@ def custom_generate(draft, tree_cfg="auto", *, attention_backend: str = "auto", 
         prompts = [r[p:] for r, p in zip(rows, pads)]
         width = input_ids.shape[1]
         max_new = gc.max_new_tokens if gc.max_new_tokens is not None else gc.max_length - width
-        run, max_new = _checked_run(model, draft, tree_cfg, prompts, max_new, 0.0, None, None, None, None,
-                                    gc.eos_token_id, attention_backend, auto_profile, None, None, None, False, {})
-        runner, drafter, cfg, prompts, _, eos = run
-        seeds = _seeds(None, len(prompts)) if gc.do_sample else [None] * len(prompts)
+        run = describe_run(model, draft, tree_cfg, prompts, GenerationOptions(
+            max_new_tokens=max_new, eos_token_id=gc.eos_token_id, attention_backend=attention_backend,
+            auto_profile=auto_profile), {})
+        prompts, max_new = run.prompts, run.max_new_tokens
+        seeds = request_seeds(None, len(prompts)) if gc.do_sample else [None] * len(prompts)
         # The processors transformers built hold this batch's shape (a minimum length counts the
         # padding): each of its own is rebuilt per row from the same config, in its place.
         own = model._get_logits_processor(
@@ -82,26 +88,31 @@ def custom_generate(draft, tree_cfg="auto", *, attention_backend: str = "auto", 
         if streamer is not None:  # transformers 5 hands the callable none (docs/generation.md); a caller may
             streamer.put(input_ids.cpu())
         new = [[] for _ in prompts]
-        for out in _loop(runner, drafter, cfg, prompts, decodings, eos, max_new=max_new, page_size=16,
-                         auto_profile=auto_profile):
+        for out in loop.decode(dataclasses.replace(run, decodings=tuple(decodings))):
             for n, t in zip(new, out.tokens):
                 n.extend(t)
             if streamer is not None and out.tokens[0]:
                 streamer.put(torch.tensor(out.tokens[0]))
         if streamer is not None:
             streamer.end()
-        pad = gc._pad_token_tensor
-        pad = int(pad) if pad is not None else 0
-        longest = max(map(len, new))
-        tail = torch.tensor([n + [pad] * (longest - len(n)) for n in new], dtype=input_ids.dtype)
-        sequences = torch.cat([input_ids, tail.to(input_ids.device)], dim=1)
-        if gc.return_dict_in_generate:
-            from transformers.generation.utils import GenerateDecoderOnlyOutput
-
-            return GenerateDecoderOnlyOutput(sequences=sequences)
-        return sequences
+        return _appended(input_ids, new, gc)
 
     return decode
+
+
+def _appended(input_ids: torch.Tensor, new: list[list[int]], config):
+    """What ``generate`` returns: the padded batch with each row's ``new`` tokens appended,
+    right-padded with the config's pad id (0 without one) where a row ended early."""
+    pad = config._pad_token_tensor
+    pad = int(pad) if pad is not None else 0
+    longest = max(map(len, new))
+    tail = torch.tensor([n + [pad] * (longest - len(n)) for n in new], dtype=input_ids.dtype)
+    sequences = torch.cat([input_ids, tail.to(input_ids.device)], dim=1)
+    if config.return_dict_in_generate:
+        from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+        return GenerateDecoderOnlyOutput(sequences=sequences)
+    return sequences
 
 
 def _config_slots(merged, own) -> list[int | None]:

@@ -1,28 +1,19 @@
 """Generation options on trees: transformers' logits processors run at a node with that
-node's own history, and samples drawn by the Gumbel-max trick with noise fixed by position.
+node's own history, from a generation config resolved as ``model.generate`` resolves it.
 
 **Per-node processing.** A repetition penalty, a banned n-gram, a minimum length or a user's
 own processor is a function of ``(input_ids, scores)``: the sequence so far and the next
 token's logits. At a tree node the sequence so far is the committed history followed by the
 node's path, so each node is processed with exactly the ``input_ids`` plain decoding would
 have had there. Verification walks the tree from the root and processes only the nodes it
-reaches (:meth:`RequestDecoding.walk`: the accepted path); for every node's scores
-(``output_scores``) each processor runs once per depth on a ``[nodes at that depth, L + depth]``
-batch (nodes of one depth have histories of one length). The processors are transformers' own
-(top-p in a form that gives its output without sorting: :class:`SortFreeTopP`), built by the model's ``_get_logits_processor`` from a
-``GenerationConfig``, so the semantics are those of ``model.generate`` by construction.
-
-**Gumbel-max sampling.** The target's token at absolute position ``t`` of request ``r`` is
-``argmax(scores + g)`` with ``g`` standard Gumbel noise drawn from a generator seeded by
-``(seed_r, t)``: an exact sample of ``softmax(scores)`` (the Gumbel-max trick), and, since the
-noise at ``t`` is independent of everything before it, the tokens follow the target's
-autoregressive distribution exactly. The noise depends on the position only, not on the tree,
-the drafter, the batch or how many tokens a step accepts, so a seed fixes the output whatever
-drafts are made (on one machine, dtype and thread count: ties of the rounding aside).
-Verification is then greedy verification against those choices: a child is accepted exactly
-when its token is the target's sample at its parent. The probability of accepting a node's
-children is the sum of their target probabilities, as with recursive rejection sampling
-against deterministic drafts, so acceptance is unchanged.
+reaches (:meth:`treespec.accept.RequestDecoding.choose_reached_nodes`: the accepted path); for
+every node's scores (``output_scores``) each processor runs once per depth on a
+``[nodes at that depth, L + depth]`` batch (nodes of one depth have histories of one length).
+The processors are transformers' own (top-p in a form that gives its output without sorting:
+:class:`SortFreeTopP`), built by the model's ``_get_logits_processor`` from a
+``GenerationConfig``, so the semantics are those of ``model.generate`` by construction. What
+the target chooses from the processed scores, and which drafted nodes that accepts, is
+``treespec/accept.py``'s.
 
 Letters: n tree nodes (root included), L committed tokens, V vocabulary.
 """
@@ -31,7 +22,6 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 from transformers import GenerationConfig
@@ -39,8 +29,8 @@ from transformers.generation.logits_process import LogitsProcessorList, TopPLogi
 
 from .tree import Tree
 
-__all__ = ["NodeProcessor", "RequestDecoding", "SortFreeTopP", "path_tokens", "gumbel_noise", "resolve_generation_config",
-           "exact_generation_config", "row_config", "UNSUPPORTED"]
+__all__ = ["NodeProcessor", "SortFreeTopP", "path_tokens", "resolve_generation_config", "exact_generation_config",
+           "check_generation_config", "row_config", "UNSUPPORTED"]
 
 # GenerationConfig fields that cannot be exact on trees, with the reason a user is told.
 UNSUPPORTED = {
@@ -84,7 +74,7 @@ def resolve_generation_config(model, generation_config: GenerationConfig | None,
     cfg, unused = model._prepare_generation_config(copy.deepcopy(generation_config), **kwargs)
     if unused:
         raise ValueError(f"unknown generation options {sorted(unused)}: not fields of transformers' GenerationConfig")
-    return _checked(model, cfg)
+    return check_generation_config(model, cfg)
 
 
 def exact_generation_config(model, **fields) -> GenerationConfig:
@@ -99,7 +89,7 @@ def exact_generation_config(model, **fields) -> GenerationConfig:
     if unknown:
         raise TypeError(f"unexpected keyword argument {unknown[0]!r}: not an option of treespec.generate "
                         f"nor a field of transformers' GenerationConfig")
-    return _checked(model, GenerationConfig(**fields))
+    return check_generation_config(model, GenerationConfig(**fields))
 
 
 def row_config(config: GenerationConfig, prompt_len: int, max_new: int) -> GenerationConfig:
@@ -113,7 +103,9 @@ def row_config(config: GenerationConfig, prompt_len: int, max_new: int) -> Gener
     return c
 
 
-def _checked(model, cfg: GenerationConfig) -> GenerationConfig:
+def check_generation_config(model, cfg: GenerationConfig) -> GenerationConfig:
+    """``cfg`` checked as ``generate`` checks it, refusing what ``UNSUPPORTED`` names, with the
+    EOS and pad tensors its processors read set."""
     cfg.validate()  # what generate checks first: contradictory options raise transformers' own error
     defaults = model.generation_config._get_default_generation_params()
     for name, why in UNSUPPORTED.items():
@@ -231,116 +223,3 @@ class SortFreeTopP(TopPLogitsWarper):
             ids = input_ids[rows.to(input_ids.device)] if input_ids is not None else None
             out[rows] = super().__call__(ids, scores[rows])
         return out
-
-
-def _mix(seed: int, position: int) -> int:
-    """A 63-bit seed for ``(seed, position)`` (splitmix64's finaliser): neighbouring positions
-    get unrelated generator states."""
-    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
-
-
-def gumbel_noise(seed: int, positions: Sequence[int], vocab: int) -> torch.Tensor:
-    """float32 ``[len(positions), V]``: standard Gumbel noise of each absolute position,
-    a function of ``(seed, position)`` alone."""
-    out = torch.empty(len(positions), vocab)
-    g = torch.Generator()
-    for i, t in enumerate(positions):
-        g.manual_seed(_mix(seed, int(t)))
-        out[i].uniform_(generator=g)
-    # u in [0, 1): u = 0 gives -inf noise, a token that is never chosen (probability 2^-24 per entry).
-    return -torch.log(-torch.log(out))
-
-
-@dataclass
-class RequestDecoding:
-    """How one request turns the target's logits into tokens: its processors, and, when it
-    samples, the seed of its Gumbel noise.
-
-    Attributes:
-        processor: the request's processors (warpers included when it samples).
-        seed:      None: greedy (the argmax of the processed logits); else the seed of the
-                   noise that makes each position's choice a sample.
-        stop:      None, or a callable ``(input_ids [1, L], scores) -> bool [1]`` that says the
-                   sequence ends here (transformers' stopping criteria: stop strings,
-                   ``max_time``, the user's own), asked with ``scores`` None.
-    """
-
-    processor: NodeProcessor
-    seed: int | None = None
-    stop: Callable | None = None  # a StoppingCriteriaList
-
-    @property
-    def greedy(self) -> bool:
-        return self.seed is None
-
-    def stops(self, sequence: list[int]) -> bool:
-        """Whether the request ends after ``sequence`` (prompt and output so far), as
-        ``generate``'s stopping criteria decide after its last token (a stop string across
-        token boundaries, for one)."""
-        return self.stop is not None and bool(self.stop(torch.tensor([sequence]), None)[0])
-
-    def choose(self, history: Sequence[int], logits: torch.Tensor, tree: Tree | None = None) -> torch.Tensor:
-        """int64 ``[n]``: the target's token after each node (after the history alone when
-        ``tree`` is None, ``logits`` then ``[1, V]``): its argmax, or its sample at that position.
-
-        Args:
-            history: the committed tokens (the tree's root last).
-            logits:  ``[n, V]``, the target's logits at each node.
-        """
-        return self.pick(self.scores(history, logits, tree), len(history), tree)
-
-    def walk(self, history: Sequence[int], logits: torch.Tensor, tree: Tree) -> torch.Tensor:
-        """int64 ``[n]``: :meth:`choose`'s choice at the nodes verification reaches (the root,
-        then each node that carries its parent's choice), -1 at the others; the processors run
-        on those nodes alone. Verification needs no more: a node whose parent was not reached is
-        rejected whatever its parent's choice. A sampled request with top-p sorts the whole
-        vocabulary at every node it processes (milliseconds a node on a CPU), so processing the
-        three or four nodes of the accepted path instead of a tree's sixteen is most of its
-        step's processing saved; each node's choice is the one :meth:`choose` makes there (the
-        same rows through the same processors, its position's noise)."""
-        parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
-        child = {(parents[i], tokens[i]): i for i in range(1, len(parents))}
-        out = torch.full((len(parents),), -1, dtype=torch.int64, device=logits.device)
-        if self.greedy and not self.processor:
-            # The argmax of each reached row alone. Widening to fp32 keeps the order and the
-            # first maximum (HF generate widens too); on a CPU it is also several times faster
-            # than a bf16 argmax (0.05 against 0.18 ms a row), and a tree's every row costs more.
-            node = 0
-            while node >= 0:
-                row = logits[node]
-                c = int((row.float() if row.dtype in (torch.bfloat16, torch.float16) else row).argmax())
-                out[node] = c
-                node = child.get((node, c), -1)
-            return out
-        h = torch.as_tensor(history, dtype=torch.int64)
-        node, path = 0, []
-        while True:
-            ids = torch.cat([h, torch.tensor(path, dtype=torch.int64)])
-            row = logits[node: node + 1]
-            scores = self.processor(ids, row.clone() if row.dtype == torch.float32 else row)
-            c = int(self.pick(scores, len(h) + len(path))[0])
-            out[node] = c
-            node = child.get((node, c), -1)
-            if node < 0:
-                return out
-            path.append(c)
-
-    def scores(self, history: Sequence[int], logits: torch.Tensor, tree: Tree | None = None) -> torch.Tensor:
-        """``[n, V]``: each node's logits after the request's processors (what ``output_scores``
-        reports); the logits themselves, in their own dtype, when there is nothing to apply."""
-        if self.greedy and not self.processor:
-            return logits  # argmax in the logits' own dtype: widening to fp32 would pick the same
-        return self.processor(torch.as_tensor(history, dtype=torch.int64), logits, tree)
-
-    def pick(self, scores: torch.Tensor, position: int, tree: Tree | None = None) -> torch.Tensor:
-        """int64 ``[n]``: the argmax of each row of ``scores``, with the Gumbel noise of its
-        position added when sampling (a node at depth d chooses the token at ``position + d``,
-        whatever tree it is in)."""
-        if not self.greedy:
-            depth = tree.depth if tree is not None else torch.zeros(1, dtype=torch.int64)
-            noise = gumbel_noise(self.seed, range(position, position + int(depth.max()) + 1), scores.shape[-1])
-            scores = scores + noise.to(scores.device)[depth.to(scores.device)]
-        return scores.argmax(-1)

@@ -107,7 +107,7 @@ class Chat:
         self.stats: list[Turn] = []
         self.tty = sys.stdin.isatty()
         self.context = getattr(self.model.config, "max_position_embeddings", None)
-        from ..engine import _eos_set
+        from ..engine.request import eos_set as _eos_set
 
         self.eos = _eos_set(self.model, None)  # the model's, as the engine reads it
 

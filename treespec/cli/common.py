@@ -155,7 +155,7 @@ def sampling(args):
     without them."""
     if not hasattr(args, "temperature"):
         return None
-    from ..sampling import SamplingParams
+    from ..sampling_args import SamplingParams
 
     try:
         return SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p)

@@ -1,108 +1,23 @@
-"""Choosing what to commit from one verified tree.
+"""Recursive rejection sampling over a tree: the reference rule the engine's acceptance is
+compared with (tests/test_verify.py, tests/test_processing.py).
 
-Glossary:
-    root      node 0, the newest committed token; the target's distribution at the root
-              decides the first new token.
-    node      a drafted token; its target distribution (the logits at that node) decides
-              the token after it.
-    path      root-to-node chain of nodes.
-    accepted  drafted nodes on the chosen path: each one is a token the target would have
-              produced at that point (greedy) or that passed the rejection test (sampling).
-    bonus     the one token the target emits after the last accepted node: its argmax or a
-              sample from the residual distribution (a *correction* when a child was
-              rejected; a plain sample at a leaf). It is committed but its KV is not: it
-              becomes the next step's root.
+The engine accepts a child exactly when it is the target's own Gumbel-max sample at its parent
+(``treespec.accept``); for drafts with a known distribution of their own, the lossless rule is
+SpecInfer's / EAGLE's rejection sampling, kept here. Under deterministic drafts both rules
+accept each node's children with the same probability, which the tests check; this module is
+also the statistical tests' exact reference for "the committed tokens follow the target".
 
-Per step a request commits ``len(accepted) + 1`` tokens, at least one (the bonus), so
-speculation never slows the token rate per forward below plain decoding.
-
-Both rules are vectorised over the batch of requests (padded to ``n_max`` nodes) with a
-loop over depth for sampling. Letters: B requests, n nodes (root included), V vocabulary.
+Letters: B requests, n nodes (root included), V vocabulary.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from .tree import Tree
+from treespec import Tree
+from treespec.accept import Verdict, pad_trees
 
-__all__ = ["Verdict", "PaddedTrees", "pad_trees", "verify_greedy", "verify_sampling"]
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """What one request commits this step.
-
-    Attributes:
-        path:   node indices of the accepted path, root first (``len = accepted + 1``).
-        tokens: the committed tokens: the accepted drafted tokens, then the bonus.
-    """
-
-    path: list[int]
-    tokens: list[int]
-
-    @property
-    def num_accepted(self) -> int:
-        return len(self.path) - 1
-
-
-@dataclass(frozen=True)
-class PaddedTrees:
-    """A batch of trees padded to ``n`` nodes (padding nodes are invalid leaves).
-
-    tokens, parents, depth: int64 ``[B, n]``; valid: bool ``[B, n]``; mask: bool ``[B, n, n]``.
-    """
-
-    tokens: torch.Tensor
-    parents: torch.Tensor
-    depth: torch.Tensor
-    valid: torch.Tensor
-    mask: torch.Tensor
-
-
-def pad_trees(trees: list[Tree], device=None) -> PaddedTrees:
-    B = len(trees)
-    n = max(t.num_nodes for t in trees)
-    tokens = torch.zeros(B, n, dtype=torch.int64)
-    parents = torch.zeros(B, n, dtype=torch.int64)
-    depth = torch.zeros(B, n, dtype=torch.int64)
-    valid = torch.zeros(B, n, dtype=torch.bool)
-    mask = torch.zeros(B, n, n, dtype=torch.bool)
-    for b, t in enumerate(trees):
-        if t.tokens is None:
-            raise ValueError("verification needs trees with tokens")
-        m = t.num_nodes
-        tokens[b, :m] = t.tokens
-        parents[b, 1:m] = t.parents[1:]
-        depth[b, :m] = t.depth
-        valid[b, :m] = True
-        mask[b, :m, :m] = t.attention_mask()
-    return PaddedTrees(*(x.to(device) for x in (tokens, parents, depth, valid, mask)))
-
-
-def verify_greedy(trees: list[Tree], target_argmax: torch.Tensor) -> list[Verdict]:
-    """Longest path whose every token equals the target's argmax at its parent.
-
-    Args:
-        trees:         B trees with tokens.
-        target_argmax: int64 ``[B, n_max]``, the target's argmax at each node (padding ignored).
-    """
-    pt = pad_trees(trees, target_argmax.device)
-    pred = target_argmax
-    correct = pt.tokens == pred.gather(1, pt.parents)  # a node matches its parent's argmax
-    correct[:, 0] = True
-    # A node is reachable if it and all its ancestors match: no False under its mask row.
-    ok = ~(pt.mask & ~correct[:, None, :]).any(-1) & pt.valid
-    # Siblings carry distinct tokens, so at most one node per depth is reachable.
-    best = torch.where(ok, pt.depth, -1).argmax(dim=1)  # [B]
-    out = []
-    for b in range(len(trees)):
-        path = torch.nonzero(pt.mask[b, best[b]]).flatten().tolist()
-        toks = pt.tokens[b, path[1:]].tolist() + [int(pred[b, best[b]])]
-        out.append(Verdict(path, toks))
-    return out
+__all__ = ["verify_sampling"]
 
 
 def _sample_inverse_cdf(r: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
