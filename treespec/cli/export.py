@@ -21,6 +21,9 @@ def add_arguments(p):
     # Not add_model: this --model names the target as the serving engine loads it, and has no default.
     p.add_argument("--model", default=None,
                    help="the target as the engine loads it, HF id or folder (default: the shipped head's target)")
+    p.add_argument("--vllm-token-tree", action="store_true", default=None,
+                   help="the vLLM you serve with accepts speculative_token_tree, which a static tree needs (vLLM "
+                        "0.32.0 refuses it; default: ask the vLLM installed here, and without one, refuse)")
 
 
 def run(args):
@@ -31,7 +34,7 @@ def run(args):
         raise UserError("--tree auto chooses each step's tree at run time from this machine's costs; a serving "
                         "engine takes one fixed tree: give a preset or a JSON tree file")
     _, trees = check(args, [args.tree], [args.draft])
-    out = export_head(args.to, args.draft, trees[args.tree][0], model=args.model)
+    out = export_head(args.to, args.draft, trees[args.tree][0], model=args.model, token_tree=args.vllm_token_tree)
     print(out.command)
     for note in out.notes:
         print(f"# {note}")
