@@ -38,7 +38,7 @@ from treespec.prompts import load_prompts  # noqa: E402
 
 # part -> (file suffix, function name) whose cumulative time it is
 PARTS = {
-    "draft": ("treespec/engine.py", "_draft"),
+    "draft": ("treespec/engine/loop.py", "_draft"),
     "head commit": ("treespec/drafters/eagle.py", "commit"),
     "head forwards": ("treespec/drafters/eagle.py", "_run"),
     "output layer": ("treespec/drafters/eagle.py", "logits"),

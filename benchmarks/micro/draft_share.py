@@ -7,7 +7,7 @@ Variants (``--variants``, in the order given):
                 greedy verification's argmax over every row of the tree;
   ``lean``      the lean single-request pass (``EagleSession._run_one``), argmax over every row;
   ``lean+path`` the lean pass, and greedy verification's argmax over the rows it reaches alone,
-                widened to fp32 (``RequestDecoding.walk``: the default now).
+                widened to fp32 (``RequestDecoding.choose_reached_nodes``: the default now).
 All draft the same trees (tests/test_eagle.py) and verify to the same verdicts
 (tests/test_processing.py), so only the time differs, except where ``auto`` sizes a tree from
 the step's measured times. Per variant: draft and verify milliseconds per step, the draft's
@@ -40,7 +40,7 @@ from treespec.drafters import HybridDrafter  # noqa: E402
 from treespec.drafters import eagle  # noqa: E402
 from treespec.models import load  # noqa: E402
 from treespec.packing import PackedLinears  # noqa: E402
-from treespec.processing import RequestDecoding  # noqa: E402
+from treespec.accept import RequestDecoding  # noqa: E402
 from treespec.prompts import load_prompts  # noqa: E402
 
 VARIANTS = ("general", "lean", "lean+path")
@@ -52,7 +52,7 @@ class _Switch:
 
     def __init__(self):
         self.lean = self.path = True
-        start, walk = eagle.EagleSession.__init__, RequestDecoding.walk
+        start, walk = eagle.EagleSession.__init__, RequestDecoding.choose_reached_nodes
         switch = self
 
         def init(session, *a, **kw):
@@ -62,10 +62,10 @@ class _Switch:
         def every_row(decoding, history, logits, tree):  # before: the argmax of every row, in their dtype
             if switch.path or decoding.processor or not decoding.greedy:
                 return walk(decoding, history, logits, tree)
-            return decoding.choose(history, logits, tree)
+            return decoding.choose_all_nodes(history, logits, tree)
 
         eagle.EagleSession.__init__ = init
-        RequestDecoding.walk = every_row
+        RequestDecoding.choose_reached_nodes = every_row
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """What verification's processing costs under top-p sampling, three ways in one run, prompt
 by prompt, same seed (the same tokens, asserted): every tree node processed with
-transformers' top-p (before), the accepted path's nodes alone (``RequestDecoding.walk``), and
+transformers' top-p (before), the accepted path's nodes alone (``RequestDecoding.choose_reached_nodes``), and
 the path with the sort-free top-p (``SortFreeTopP``, now).
 
     python benchmarks/micro/sampling_walk.py --num-prompts 6 --max-new-tokens 128 --top-p 0.95
@@ -27,12 +27,13 @@ from treespec.models import load  # noqa: E402
 from treespec.packing import PackedLinears  # noqa: E402
 from transformers import TopPLogitsWarper  # noqa: E402
 
-from treespec.processing import RequestDecoding, SortFreeTopP  # noqa: E402
+from treespec.accept import RequestDecoding  # noqa: E402
+from treespec.processing import SortFreeTopP  # noqa: E402
 from treespec.prompts import load_prompts  # noqa: E402
 
 
 def every_node(self, history, logits, tree):  # before: the processors at every node of the tree
-    return self.choose(history, logits, tree)
+    return self.choose_all_nodes(history, logits, tree)
 
 
 def main() -> None:
@@ -49,7 +50,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model, tok = load("smollm2-135m-instruct", dtype=torch.bfloat16)
     prompts = load_prompts(args.dataset, tok, args.num_prompts)[0]
-    walk, sort_free = RequestDecoding.walk, SortFreeTopP.__call__
+    walk, sort_free = RequestDecoding.choose_reached_nodes, SortFreeTopP.__call__
     variants = {"every node": (every_node, TopPLogitsWarper.__call__), "path only": (walk, TopPLogitsWarper.__call__),
                 "path, sort-free top-p": (walk, sort_free)}
     rows = {name: [] for name in variants}
@@ -60,13 +61,13 @@ def main() -> None:
         for i, prompt in enumerate(prompts):
             outs = []
             for name, (fn, top_p) in variants.items():
-                RequestDecoding.walk, SortFreeTopP.__call__ = fn, top_p
+                RequestDecoding.choose_reached_nodes, SortFreeTopP.__call__ = fn, top_p
                 try:
                     t = time.perf_counter()
                     out = treespec.generate(model, draft, args.tree, prompt, seed=i, **kw)
                     dt = time.perf_counter() - t
                 finally:
-                    RequestDecoding.walk, SortFreeTopP.__call__ = walk, sort_free
+                    RequestDecoding.choose_reached_nodes, SortFreeTopP.__call__ = walk, sort_free
                 m = out.metrics
                 rows[name].append(dict(tokens=m.num_generated, seconds=dt, steps=m.num_steps,
                                        verify_ms=m.verify_seconds / m.num_steps * 1e3))
