@@ -30,7 +30,9 @@ import treespec
 from tiny import assert_sessions_draft_alike, dynamic_configs, tiny_model
 from treespec import TreeConfig
 from treespec.drafters.base import DraftStart
-from treespec.drafters.eagle import Eagle3Drafter, EagleDrafter, EagleHead, eagle3_feature_layers
+from treespec.drafters.eagle import Eagle3Drafter, EagleDrafter
+from treespec.drafters.eagle_head import EagleHead, eagle3_feature_layers
+from treespec.drafters.eagle_passes import PackedPasses, RowPasses, StaticRowPasses
 from treespec.mask import causal_mask
 from treespec.runner import FINAL_NORM, ModelRunner
 
@@ -721,9 +723,9 @@ def test_runner_features_are_hf_hidden_states(family):
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**16), data=st.data())
 def test_lean_single_request_pass_drafts_the_general_trees(ckpts, kind, dtype, seed, data):
-    """One request on a CPU runs the head through ``EagleSession._run_one`` (RoPE from a table,
-    fp32 SDPA over the request's row, no batch plan). It must draft exactly the trees the
-    general pass drafts, tokens and scores bit for bit, through proposals, multi-token commits
+    """One request on a CPU runs the head through :class:`RowPasses` (RoPE from a table, fp32
+    SDPA over the request's row, no batch plan). It must draft exactly the trees the packed
+    pass through the torch backend drafts, tokens and scores bit for bit, through proposals, multi-token commits
     and a tree config drawn at random, in fp32 and bf16."""
     model = copy.deepcopy(target(kind, peak=4.0)).to(dtype)  # a copy: the module's targets stay fp32
     drafter = treespec.load_draft(ckpts(kind)[0], model)
@@ -736,11 +738,43 @@ def test_lean_single_request_pass_drafts_the_general_trees(ckpts, kind, dtype, s
     sessions = []
     for lean in (True, False):
         s = drafter.start(model, DraftStart([full[:n]], [full[n]], [feats[:n]], 24, cfg))
-        assert s.lean  # one request, torch backend, CPU
-        s.lean = lean
+        assert type(s.passes) is RowPasses  # one request, torch backend, CPU
+        if not lean:
+            s.passes = s.passes.fallback
+            assert type(s.passes) is PackedPasses
         sessions.append(s)
     commits = data.draw(st.lists(st.integers(1, 4), min_size=1, max_size=4))
     assert_sessions_draft_alike(sessions, full, feats, n, commits, cfg.depth)
+
+
+def test_the_session_picks_its_passes_at_start(ckpts):
+    """The strategy that runs the head is decided when a session starts: on a CPU with the torch
+    backend (or flex, which reads K/V as it does) the lean row pass over the packed pass (which
+    takes batches), whether it starts with one request or several; with the drafter's graphed
+    row its static passes over the lean pass, until the session closes. (The packed pass alone
+    runs on a GPU without graphs.) Every session of a head attends through one backend object,
+    built once for the head."""
+    from treespec.attention import FlexBackend, TorchBackend, backend_for
+    from treespec.drafters.graphs import GraphedRow
+
+    model = target("eagle3")
+    path = ckpts("eagle3")[0]
+    drafter = treespec.load_draft(path, model)
+    one = start(drafter, model, [[1, 2, 3]], [4])
+    two = start(drafter, model, [[1, 2, 3], [5, 6]], [4, 7])
+    assert type(one.passes) is RowPasses and type(two.passes) is RowPasses and one.static is None
+    backend = one.passes.fallback.backend
+    assert type(backend) is TorchBackend and two.passes.fallback.backend is backend
+    assert backend_for(drafter.head, "torch", "cpu") is backend
+    flex = start(treespec.load_draft(path, model, attention_backend="flex"), model, [[1, 2, 3]], [4])
+    assert type(flex.passes) is RowPasses and type(flex.passes.fallback.backend) is FlexBackend
+    graphed = treespec.load_draft(path, model, cuda_graphs=True)
+    graphed.graphed_row = GraphedRow(capture=False)
+    s = start(graphed, model, [[1, 2, 3]], [4])
+    assert type(s.passes) is StaticRowPasses and type(s.passes.fallback) is RowPasses
+    assert s.static is graphed.graphed_row.passes
+    s.close()
+    assert type(s.passes) is RowPasses and s.static is None
 
 
 # ---- static head passes (the shapes CUDA graphs capture) -----------------------------------------
@@ -810,11 +844,10 @@ def test_a_static_pass_computes_the_lean_pass(ckpts, kind, dtype, seed, data):
     hidden = torch.randn(k, H, generator=g).to(dtype)
     positions = n - 1 + torch.randint(1, 6, (k,), generator=g)
     static_states, static_logp = s.static.run(tokens, hidden, positions, mask, s.cache.seq_lens[s.seq[0]])
-    static = s.static
-    s.static = None  # the lean pass, writing the same K/V to the same slots
-    lean_states, _ = s._run_one(0, tokens, hidden, positions, mask)
-    lean_logp = drafter.head.logits(lean_states).float().log_softmax(-1)
-    s.static = static
+    assert type(s.passes) is StaticRowPasses and type(s.passes.fallback) is RowPasses
+    lean_states = s.passes.fallback.run_one(s.seq[0], tokens, hidden, positions, mask)  # the same K/V, slots
+    with torch.inference_mode():
+        lean_logp = drafter.head.logits(lean_states).float().log_softmax(-1)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(static_states.float(), lean_states.float(), **tol)
     torch.testing.assert_close(static_logp, lean_logp, **({"atol": 1e-5, "rtol": 0} if dtype == torch.float32

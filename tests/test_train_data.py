@@ -497,7 +497,7 @@ def test_training_on_several_capture_folders_and_from_a_head(tiny_lm, tmp_path):
     """``captured`` takes folders in order (``max_examples`` counts across them), and ``init``
     fine-tunes a head: its draft vocabulary kept, its weights the start,
     a layout or vocabulary that does not match refused."""
-    from treespec.drafters.eagle import _head_from_dir
+    from treespec.drafters.eagle_head import load_head
     from treespec.train.trainer import _new_head, _training_records
 
     model, tok = tiny_lm
@@ -514,7 +514,7 @@ def test_training_on_several_capture_folders_and_from_a_head(tiny_lm, tmp_path):
     base = tmp_path / "base"
     train_eagle(model, tok, TrainConfig(data="", out_dir=str(base), captured=str(a), draft_vocab_size=64,
                                         epochs=1, batch_size=2, warmup_steps=1))
-    start = _head_from_dir(base / "head", model)
+    start = load_head(base / "head", model)
     same, _ = _new_head(model, tok, TrainConfig(data="", out_dir="", init=str(base / "head"), draft_vocab_size=64),
                         recs)
     assert all(p.requires_grad and p.dtype == torch.float32 for p in same.parameters())

@@ -4,7 +4,8 @@ from .base import DraftSession, DraftStart, Drafter
 from .model import ModelDrafter
 from .ngram import NgramDrafter
 from .none import NoDrafter
-from .eagle import Eagle3Drafter, EagleDrafter, EagleHead, load_draft
+from .eagle import Eagle3Drafter, EagleDrafter, load_draft
+from .eagle_head import EagleHead
 from .hybrid import HybridDrafter
 from .recording import RecordingDrafter
 

@@ -392,7 +392,7 @@ def _new_head(model, tokenizer, cfg: TrainConfig, records) -> tuple[EagleHead, t
 def _init_head(model, cfg: TrainConfig) -> EagleHead:
     """The float32 head ``cfg.init`` names, checked against the run's layout."""
     from ..assets import resolve_draft
-    from ..drafters.eagle import _head_from_dir
+    from ..drafters.eagle_head import load_head as _head_from_dir
 
     head = _head_from_dir(resolve_draft(cfg.init), model).float()
     c = head.config
