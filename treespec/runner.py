@@ -141,10 +141,9 @@ class ModelRunner:
             extra_keys:   RoPE positions of the ``m_b - n_b`` uncommitted tokens already in
                           the cache before the new ones (a drafter's earlier tree levels).
         """
-        B = len(seqs)
         prefix = [cache.seq_lens[s] for s in seqs]
         key_pos = []
-        for b in range(B):
+        for b in range(len(seqs)):
             kp = positions[b].to(torch.int64).cpu()
             if extra_keys is not None:
                 kp = torch.cat([extra_keys[b].to(torch.int64).cpu(), kp])
@@ -153,27 +152,9 @@ class ModelRunner:
         n = [t.numel() for t in tokens]
         ids = torch.cat([t.reshape(-1) for t in tokens]).to(self.device)[None]
         pos = torch.cat([p.reshape(-1) for p in positions]).to(self.device)[None]
-        offsets = [0]
-        for x in n:
-            offsets.append(offsets[-1] + x)
-        if logits_rows is None:
-            keep = torch.arange(offsets[-1])
-        else:
-            keep = torch.cat([offsets[b] + torch.as_tensor(r, dtype=torch.int64) for b, r in enumerate(logits_rows)])
-
+        keep = _kept_rows(n, logits_rows)
         captured: dict[int, torch.Tensor] = {}
-        hooks = []
-        if capture and self.feature_layers:
-            decoder = self.model.get_decoder()
-            for fid in self.feature_layers:
-                if fid == FINAL_NORM:
-                    hooks.append(decoder.norm.register_forward_hook(
-                        lambda mod, args, out, fid=fid: captured.__setitem__(fid, out[0])))
-                else:
-                    hooks.append(decoder.layers[fid].register_forward_pre_hook(
-                        lambda mod, args, kwargs, fid=fid: captured.__setitem__(
-                            fid, (args[0] if args else kwargs["hidden_states"])[0]),
-                        with_kwargs=True))
+        hooks = self._feature_hooks(captured) if capture else []
         try:
             out = self.model(
                 input_ids=ids,
@@ -193,3 +174,30 @@ class ModelRunner:
             f = torch.cat([captured[fid] for fid in self.feature_layers], dim=-1)  # [T, F]
             feats = list(torch.split(f, n))
         return ForwardOutput(per_req, feats)
+
+    def _feature_hooks(self, captured: dict[int, torch.Tensor]) -> list:
+        """Forward hooks that put each requested feature ``[T, H]`` of the next forward into
+        ``captured`` under its feature id; the caller removes them."""
+        hooks = []
+        decoder = self.model.get_decoder()
+        for fid in self.feature_layers:
+            if fid == FINAL_NORM:
+                hooks.append(decoder.norm.register_forward_hook(
+                    lambda mod, args, out, fid=fid: captured.__setitem__(fid, out[0])))
+            else:
+                hooks.append(decoder.layers[fid].register_forward_pre_hook(
+                    lambda mod, args, kwargs, fid=fid: captured.__setitem__(
+                        fid, (args[0] if args else kwargs["hidden_states"])[0]),
+                    with_kwargs=True))
+        return hooks
+
+
+def _kept_rows(n: Sequence[int], logits_rows: Sequence[torch.Tensor] | None) -> torch.Tensor:
+    """int64: the packed rows whose logits a forward keeps, given each request's ``n[b]`` new
+    tokens and the rows ``logits_rows[b]`` among them (None: every row)."""
+    offsets = [0]
+    for x in n:
+        offsets.append(offsets[-1] + x)
+    if logits_rows is None:
+        return torch.arange(offsets[-1])
+    return torch.cat([offsets[b] + torch.as_tensor(r, dtype=torch.int64) for b, r in enumerate(logits_rows)])
