@@ -115,8 +115,6 @@ class DraftSession(ABC):
 class Drafter(ABC):
     #: target features this drafter reads (runner feature ids), or None.
     feature_layers: tuple[int, ...] | None = None
-    #: whether trees from this drafter carry sampled (not top-k) drafts with distributions.
-    samples: bool = False
     #: drafted nodes this drafter may add on top of the tree config's ``num_nodes`` (the
     #: engine's budget and cache room per step): prompt lookup grafted onto a model's
     #: tree (:class:`~treespec.drafters.hybrid.HybridDrafter`).

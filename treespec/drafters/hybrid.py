@@ -81,9 +81,6 @@ class HybridDrafter(Drafter):
     def __init__(self, primary: Drafter, lookup: NgramDrafter | None = None):
         if isinstance(primary, (HybridDrafter, NgramDrafter)):
             raise ValueError(f"the hybrid's primary drafter must be a model drafter, got {type(primary).__name__}")
-        if primary.samples:
-            raise ValueError(f"{type(primary).__name__} drafts sampled trees with their distributions: "
-                             "grafted lookup nodes carry none; use it without prompt lookup")
         self.primary = primary
         self.lookup = lookup if lookup is not None else NgramDrafter(
             max_ngram=3, min_ngram=2, max_matches=2, depth=8, num_nodes=10)

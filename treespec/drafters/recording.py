@@ -26,7 +26,7 @@ class RecordingDrafter(Drafter):
 
     def __init__(self, inner: Drafter):
         self.inner = inner
-        self.feature_layers, self.samples = inner.feature_layers, inner.samples
+        self.feature_layers = inner.feature_layers
         self.extra_nodes, self.auto_calibration = inner.extra_nodes, inner.auto_calibration
         self.trees: list[tuple[list[Tree], list[int]]] = []
 
