@@ -11,7 +11,6 @@ HF ``generate(do_sample=True, ...)`` samples from.
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 
 import pytest

@@ -102,8 +102,8 @@ def decode(run: Run) -> Iterator[StepOutput]:
         timer = _StepTimer(metrics)
         # One row of the cache per request, each long enough for the longest: a batch's K/V
         # are then read as a view of the cache, not gathered (PagedKVCache.add_sequences).
-        longest = max(len(p) for p in run.prompts) + run.max_new_tokens + max_nodes + 1
-        cache, cache_seqs = runner.new_rows_cache(B, longest, run.page_size)
+        row_tokens = max(len(p) for p in run.prompts) + run.max_new_tokens + max_nodes + 1
+        cache, cache_seqs = runner.new_rows_cache(B, row_tokens, run.page_size)
         rows = [Request(b, list(p), d, s) for b, (p, d, s) in enumerate(zip(run.prompts, run.decodings, cache_seqs))]
         with timer("prefill"):
             features, scores = _prefill(run, rows, cache, prefix_use)
