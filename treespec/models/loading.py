@@ -19,8 +19,10 @@ import torch
 
 from . import registry
 from .common import LoadProgress, Loaded, ModelUnavailableError, ProgressFn, converted_dir
+from .gguf_blocks import gguf_linears
 from .gguf_reader import open_gguf_llama, trips_transformers
 from .hf import from_transformers, no_transformers_bars, open_with_transformers
+from .quant import WEIGHTS, check_kernels, quantize_linears
 from .registry import ModelSpec
 
 __all__ = ["load"]
@@ -68,14 +70,47 @@ def _load_named(spec: ModelSpec, dtype: torch.dtype, progress: ProgressFn | None
 
 
 def load(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
-         progress: ProgressFn | None = None) -> Loaded:
+         progress: ProgressFn | None = None, weights: str = "dense") -> Loaded:
     """Load ``(model, tokenizer)`` by registry name, local folder, local ``.gguf`` file or hub id.
 
     The model comes back in eval mode with weights in ``dtype``. A registry model is fetched on
     first use and converted once into :func:`converted_dir` (later loads read that copy);
     ``progress``, if given, receives :class:`LoadProgress` reports of those slow first steps.
     Raises :class:`ModelUnavailableError` when the files cannot be found or fetched.
+
+    ``weights`` (:data:`~.quant.WEIGHTS`): ``"dense"``, every weight in ``dtype``; ``"gguf"``, the
+    linear layers on the GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks (a ``.gguf`` path or a named
+    model, which is one; :func:`~.gguf_blocks.gguf_linears`); ``"int4"`` or ``"int8"``, quantized
+    on load (:func:`~.quant.quantize_linears`). Quantized weights run on torch's CPU kernels, the
+    output head stays dense, and ``dtype`` is the activations' (bfloat16 is the fast one).
+    Raises ValueError for a format this model cannot take.
     """
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    if weights != "dense":
+        check_kernels()
+    source = _gguf_source(name_or_path, progress) if weights == "gguf" else None  # before seconds of loading
+    model, tokenizer = _load(name_or_path, dtype, progress)
+    if source is not None:
+        gguf_linears(model, source)
+    elif weights != "dense":
+        quantize_linears(model, weights)
+    return model, tokenizer
+
+
+def _gguf_source(name_or_path: str | os.PathLike, progress: ProgressFn | None) -> Path:
+    """The GGUF file a model was read from, for ``weights="gguf"``."""
+    spec = registry.MODELS.get(str(name_or_path))
+    if spec is not None:
+        return spec.locate(progress)  # fetched once, as loading the model needs it anyway
+    path = Path(name_or_path).expanduser()
+    if path.suffix != ".gguf":
+        raise ValueError(f"weights='gguf' runs a GGUF file's own blocks, and {name_or_path} is no .gguf file or "
+                         "named GGUF model: use weights='int4' or 'int8' to quantize it on load")
+    return path
+
+
+def _load(name_or_path: str | os.PathLike, dtype: torch.dtype, progress: ProgressFn | None) -> Loaded:
     key = str(name_or_path)
     names = registry.MODELS  # looked up at each call, so that a test may stand in its own
     if key in names:
