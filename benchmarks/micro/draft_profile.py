@@ -5,7 +5,8 @@ prompt lookup) and tree, greedy, packed weights, under cProfile; milliseconds a 
 
 Parts (cumulative times of these functions, divided by the decoding steps; cProfile's own
 overhead inflates every part, so read them as shares, not as the draft's time):
-  head forwards   EagleSession._run: the head's layer over a level's frontier or a commit's tokens
+  head forwards   the session's pass strategy (RowPasses.run for one request on a CPU): the head's
+                  layer over a level's frontier or a commit's tokens
   output layer    EagleHead.logits: the draft's norm and vocabulary product
   builder         build_trees without the head's steps and the stop rule (top-k, gathers, the pool)
   stop rule       AutoController.stop (auto's decision after each level)
@@ -40,8 +41,8 @@ from treespec.prompts import load_prompts  # noqa: E402
 PARTS = {
     "draft": ("treespec/engine/loop.py", "_draft"),
     "head commit": ("treespec/drafters/eagle.py", "commit"),
-    "head forwards": ("treespec/drafters/eagle.py", "_run"),
-    "output layer": ("treespec/drafters/eagle.py", "logits"),
+    "head forwards": ("treespec/drafters/eagle_passes.py", "run"),
+    "output layer": ("treespec/drafters/eagle_head.py", "logits"),
     "builder": ("treespec/builder.py", "build_dynamic_trees"),
     "head steps": ("treespec/drafters/eagle.py", "step"),
     "stop rule": ("treespec/auto.py", "stop"),

@@ -5,7 +5,7 @@ lookup and the default ``auto`` tree, greedy, packed weights.
 Variants (``--variants``, in the order given):
   ``general``   the batch-planned EAGLE pass every request took before the lean one, and
                 greedy verification's argmax over every row of the tree;
-  ``lean``      the lean single-request pass (``EagleSession._run_one``), argmax over every row;
+  ``lean``      the lean single-request pass (``RowPasses``), argmax over every row;
   ``lean+path`` the lean pass, and greedy verification's argmax over the rows it reaches alone,
                 widened to fp32 (``RequestDecoding.choose_reached_nodes``: the default now).
 All draft the same trees (tests/test_eagle.py) and verify to the same verdicts
@@ -38,6 +38,7 @@ import treespec  # noqa: E402
 from benchmarks.timing import command, machine_line  # noqa: E402
 from treespec.drafters import HybridDrafter  # noqa: E402
 from treespec.drafters import eagle  # noqa: E402
+from treespec.drafters.eagle_passes import RowPasses  # noqa: E402
 from treespec.models import load  # noqa: E402
 from treespec.packing import PackedLinears  # noqa: E402
 from treespec.accept import RequestDecoding  # noqa: E402
@@ -57,7 +58,8 @@ class _Switch:
 
         def init(session, *a, **kw):
             start(session, *a, **kw)
-            session.lean = session.lean and switch.lean
+            if not switch.lean and isinstance(session.passes, RowPasses):  # the packed pass instead
+                session.passes = session.passes.fallback
 
         def every_row(decoding, history, logits, tree):  # before: the argmax of every row, in their dtype
             if switch.path or decoding.processor or not decoding.greedy:
