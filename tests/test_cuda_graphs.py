@@ -14,7 +14,7 @@ import treespec
 from tiny import assert_sessions_draft_alike, tiny_model
 from treespec.drafters import Eagle3Drafter, HybridDrafter, RecordingDrafter
 from treespec.drafters.base import DraftStart
-from treespec.drafters.eagle import EagleHead
+from treespec.drafters.eagle_head import EagleHead
 from treespec.drafters.graphs import GraphedRow
 
 pytestmark = [

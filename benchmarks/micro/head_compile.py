@@ -37,7 +37,7 @@ from treespec.packing import PackedLinears  # noqa: E402
 
 def level(head, tokens, hidden, cos, sin, fk, fv, start: int, kv: int, mask):
     """One lean head pass over ``n`` entries at the end of a ``kv``-entry cache row, then the
-    draft's log-probs: what EagleSession._run_one and the step's logits do."""
+    draft's log-probs: what RowPasses.run_one and the step's logits do."""
     n = tokens.shape[0]
 
     def attend(q, k, v):
