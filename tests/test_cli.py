@@ -483,7 +483,15 @@ def test_bench_spec_bench_leaderboard_table_legend_json_and_png(capsys, tmp_path
     assert table_blocks(wide)[0][1:7] == cats
 
 
-def test_bench_wide_shows_every_column(capsys, tiny_dataset, lm_dir):
+@pytest.fixture
+def in_tmp_dir(tmp_path, monkeypatch):
+    """The test's own folder as the current one: a bench run without --out writes its report
+    (and journal) under it."""
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_bench_wide_shows_every_column(capsys, in_tmp_dir, tiny_dataset, lm_dir):
     rc, stdout, err = run(capsys, "bench", "--model", lm_dir, "--dataset", str(tiny_dataset), "--prompt-field",
                           "text", "--num-prompts", "1", "--max-new-tokens", "4", "--config", "ngram@chain-2",
                           "--no-warmup", "--no-hf-lookup", "--wide")
@@ -493,7 +501,7 @@ def test_bench_wide_shows_every_column(capsys, tiny_dataset, lm_dir):
     assert "med tok/s" in stdout.split("\n\n")[1]  # and the legend explains the wide columns too
 
 
-def test_bench_mismatch_exits_nonzero(capsys, monkeypatch, tiny_dataset, lm_dir):
+def test_bench_mismatch_exits_nonzero(capsys, monkeypatch, in_tmp_dir, tiny_dataset, lm_dir):
     import treespec.bench.running as bench
 
     real = bench.ts_generate
@@ -521,6 +529,112 @@ def test_bench_sampling_skips_prompt_lookup(capsys, tmp_path, tiny_dataset, lm_d
     lookup = next(c for c in data["configs"] if c["kind"] == "hf-prompt-lookup")
     assert "skipped" in lookup
     assert any("skipped" in n for n in data["notes"]) and "skipped" in stdout
+
+
+def test_bench_in_a_log_says_each_prompt_and_writes_its_report_by_default(capsys, in_tmp_dir, tiny_dataset,
+                                                                         lm_dir):
+    """stderr no terminal (captured here): the journal's path first, a line once warm, one per
+    finished prompt; without --out the report goes under ./treespec-bench/ and its paths are
+    printed; the default journal is gone once the report is written."""
+    rc, stdout, err = run(capsys, "bench", "--model", lm_dir, "--dataset", str(tiny_dataset), "--prompt-field",
+                          "text", "--num-prompts", "2", "--max-new-tokens", "4", "--config", "ngram@chain-2",
+                          "--no-hf-lookup", "--no-pack")
+    assert rc == 0, err
+    said = [ln.removeprefix("treespec: ") for ln in err.splitlines() if ln.startswith("treespec: ")]
+    journal = re.fullmatch(r"journal (treespec-bench/\d{8}-\d{6}\.jsonl): a stopped run resumes from it with "
+                           r"--journal \1; removed once the report is written", said[0])
+    assert journal, said[0]
+    assert said[1].startswith("warm-up done: 2 configuration(s) in ")
+    assert [ln.split(":")[0] for ln in said[2:]] == ["prompt 1/2", "prompt 2/2"]
+    assert re.fullmatch(r"prompt 1/2: hf-generate [\d.]+ tok/s; ngram/chain-2 [\d.]+ \([\d.]+x, tau [\d.]+\) "
+                        r"\[\d+s, about \d+s left\]", said[2]), said[2]
+    report = Path(journal[1]).with_suffix(".json")
+    assert stdout.splitlines()[-1] == f"wrote {report} and {report.with_suffix('.txt')}"
+    data = json.loads((in_tmp_dir / report).read_text())
+    assert len(data["prompts"]) == 2 and (in_tmp_dir / report.with_suffix(".txt")).exists()
+    assert not (in_tmp_dir / journal[1]).exists()
+
+
+def test_bench_ctrl_c_prints_the_command_that_resumes(capsys, monkeypatch, in_tmp_dir, tiny_dataset, lm_dir):
+    """Ctrl-C in the second prompt: the first is kept in the journal, and the command printed
+    runs the second alone and reports both."""
+    import shlex
+
+    import treespec.bench.running as bench
+
+    real, calls = bench.ts_generate, []
+
+    def stop_in_prompt_two(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(bench, "ts_generate", stop_in_prompt_two)
+    rc, _, err = run(capsys, "bench", "--model", lm_dir, "--dataset", str(tiny_dataset), "--prompt-field", "text",
+                     "--num-prompts", "2", "--max-new-tokens", "4", "--config", "ngram@chain-2", "--no-warmup",
+                     "--no-hf-lookup", "--no-pack", "--out", "r.json")
+    assert rc == 130
+    lines = err.splitlines()
+    at = next(k for k, ln in enumerate(lines) if ln.startswith("treespec: stopped"))
+    assert lines[at] == "treespec: stopped with 1 of 2 prompt(s) done, kept in r.jsonl; to resume:"
+    command = shlex.split(lines[at + 1])
+    assert command[:2] == ["treespec", "bench"] and command[-2:] == ["--journal", "r.jsonl"]
+    assert lines[-1] == "treespec: interrupted"
+
+    calls.clear()
+    rc, stdout, err = run(capsys, *command[1:])
+    assert rc == 0, err
+    assert len(calls) == 1  # prompt 2 alone ran
+    said = [ln for ln in err.splitlines() if ln.startswith("treespec: ")]
+    assert said[1:] == ["treespec: 1 prompt(s) read back from the journal", next(
+        ln for ln in said if ln.startswith("treespec: prompt 2/2: "))]
+    data = json.loads((in_tmp_dir / "r.json").read_text())
+    assert len(data["prompts"]) == 2 and any(n.startswith("resumed: the first 1 prompt(s)") for n in data["notes"])
+    assert len((in_tmp_dir / "r.jsonl").read_text().splitlines()) == 1 + 2  # given by --journal: kept
+
+
+def test_bench_progress_lines_estimate_the_time_left():
+    """A fake clock: prompts read back from a journal are one line; each prompt run after them
+    says its rates, the time so far and what is left at that pace."""
+    import io
+
+    from treespec.bench import BenchProgress, RunRecord
+    from treespec.cli.bench import PromptLines
+
+    now = [100.0]
+    stream = io.StringIO()
+    lines = PromptLines(stream, clock=lambda: now[0])
+    runs = {"hf-generate": RunRecord([1] * 10, 2.0), "ngram/chain-3": RunRecord([1] * 10, 0.5,
+                                                                                 {"mean_accepted_length": 2.5})}
+    for done in (1, 2):
+        lines(BenchProgress("prompts", done, 5, None, runs=runs, resumed=True))
+    for done, t in ((3, 130.0), (4, 160.0), (5, 250.0)):
+        lines(BenchProgress("prompts", done - 1, 5, "hf-generate"))
+        now[0] = t
+        lines(BenchProgress("prompts", done, 5, None, runs=runs))
+    assert stream.getvalue().splitlines() == [
+        "treespec: 2 prompt(s) read back from the journal",
+        "treespec: prompt 3/5: hf-generate 5.0 tok/s; ngram/chain-3 20.0 (4.00x, tau 2.50) [30s, about 1m00s left]",
+        "treespec: prompt 4/5: hf-generate 5.0 tok/s; ngram/chain-3 20.0 (4.00x, tau 2.50) [1m00s, about 30s left]",
+        "treespec: prompt 5/5: hf-generate 5.0 tok/s; ngram/chain-3 20.0 (4.00x, tau 2.50) [2m30s]",
+    ]
+
+
+def test_bench_output_paths(in_tmp_dir):
+    from treespec.cli.bench import output_paths
+
+    now = 1767225600.0
+    stamp = __import__("time").strftime("%Y%m%d-%H%M%S", __import__("time").localtime(now))
+    args = cli.build_parser().parse_args(["bench"])
+    assert output_paths(args, now) == (Path(f"treespec-bench/{stamp}.json"), Path(f"treespec-bench/{stamp}.jsonl"))
+    (in_tmp_dir / "treespec-bench").mkdir()
+    (in_tmp_dir / "treespec-bench" / f"{stamp}.txt").write_text("an earlier run's\n")
+    assert output_paths(args, now)[0] == Path(f"treespec-bench/{stamp}-2.json")  # never over another run's
+    args = cli.build_parser().parse_args(["bench", "--out", "res/r.json"])
+    assert output_paths(args) == (Path("res/r.json"), Path("res/r.jsonl"))
+    args = cli.build_parser().parse_args(["bench", "--out", "r.jsonl", "--journal", "j.jsonl"])
+    assert output_paths(args) == (Path("r.jsonl"), Path("j.jsonl"))
 
 
 # ---- tree show --------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import argparse
 import json
 import shlex
 import sys
+import time
 from pathlib import Path
 
 from .common import (DEFAULT_DRAFT, DEFAULT_SPEC, DEFAULT_TREE, DRAFT_HELP, Bars, UserError, add_auto_profile,
@@ -17,6 +18,10 @@ from .common import (DEFAULT_DRAFT, DEFAULT_SPEC, DEFAULT_TREE, DRAFT_HELP, Bars
 # trees), the hybrid's chain-3 and the head alone with auto, the three to compare on a new
 # machine (docs/benchmarks.md has what they measured).
 DEFAULT_BENCH_CONFIGS = (f"{DEFAULT_SPEC}@auto", f"{DEFAULT_SPEC}@chain-3", f"{DEFAULT_DRAFT}@auto")
+
+# Where a run's report (and its journal, beside it) go unless --out says otherwise, under the
+# current folder: a long run always leaves its results, and a stopped one a way to resume.
+REPORT_DIR = "treespec-bench"
 
 
 def add_arguments(p):
@@ -57,11 +62,15 @@ def add_arguments(p):
     p.add_argument("--wide", action="store_true",
                    help="the whole table: medians over prompts, acceptance by draft position, full configuration "
                         "and category names (default: fits 100 columns)")
-    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--out", default=None,
+                   help=f"write the results as JSON here, and the printed report beside it as .txt (default: "
+                        f"{REPORT_DIR}/DATE-TIME.json under the current folder); the paths are printed at the end")
     p.add_argument("--journal", default=None, metavar="FILE.jsonl",
                    help="append each finished prompt to this file, and resume from it: the same command run again "
                         "after a stop reads back the prompts it holds and runs the rest (a file written with other "
-                        "settings is refused)")
+                        "settings is refused). Default: the report's path with .jsonl, printed at the start, resumed "
+                        "from where a stopped run left it and removed once the report is written; Ctrl-C prints the "
+                        "command that resumes")
     p.add_argument("--plot-dir", default=None, help="write PNG plots into this folder")
     p.add_argument("--plot-prefix", default=None,
                    help="file name prefix of the PNGs (default: the --out file's name and '-', e.g. r- for r.json; "
@@ -107,13 +116,47 @@ def run(args):
     if profile is not None and not any(cfg.auto for cfg, _ in trees.values()):
         log.warning("--auto-profile is for auto trees: none of the configurations uses it")
 
-    from ..bench import BenchConfig, format_table, header_lines, run_bench, save_plots, to_json
+    from ..bench import format_table, header_lines, run_bench, to_json
 
     # keep_packed: HF generate runs on packed weights too, whichever weights treespec runs on,
     # so that the same-path baseline is the faster of plain and packed HF generate.
     loaded = load(args, [d for d, _ in pairs], prompts=lambda tok: load_bench_prompts(
         args.dataset, tok, args.num_prompts, prompt_field=args.prompt_field, raw=args.raw), keep_packed=True)
     prompts, fmt = loaded.prompts
+    out, journal = output_paths(args)
+    print(_journal_line(args, journal), file=sys.stderr, flush=True)
+    progress = _progress()
+    try:
+        res = run_bench(loaded.model, prompts, _configs(args, loaded, pairs, trees), max_new_tokens=args.max_new_tokens,
+                        temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p, seed=args.seed,
+                        warmup=args.warmup, attention_backend=args.backend, callback=progress, fast_path=loaded.fast,
+                        auto_profile=profile, options=generation_options(args), tokenizer=loaded.tokenizer,
+                        packing=loaded.packing, journal=journal)
+    except KeyboardInterrupt:
+        progress.close()
+        print(resume_hint(args, journal, len(prompts)), file=sys.stderr, flush=True)
+        raise
+    progress.close()
+    data = to_json(res, command="treespec " + shlex.join(portable(a) for a in args.argv), model=args.model,
+                   dataset=portable(args.dataset), prompt_format=fmt)
+    report = "\n".join([_title(args, data, prompts, fmt, sp), *(_wrap(line) for line in header_lines(data)),
+                        format_table(data, wide=args.wide), *(_wrap(f"note: {note}") for note in data["notes"])]) + "\n"
+    sys.stdout.write(report)
+    _write(args, data, report, out)
+    if args.journal is None:
+        journal.unlink(missing_ok=True)  # the report holds it all; a default journal is only for resuming
+    bad = [c for c in data["configs"] if c["kind"] == "treespec" and c.get("unexplained")]
+    if bad:
+        print("treespec: error: greedy output differs from HF generate other than at a rounding near-tie: "
+              + "; ".join(f"{c['name']} on {c['unexplained']} prompt(s)" for c in bad), file=sys.stderr)
+        return 1
+    return 0
+
+
+def _configs(args, loaded, pairs: list[tuple[str, str]], trees: dict) -> list:
+    """The configurations to run, in order: the baselines the flags keep, then each pair."""
+    from ..bench import BenchConfig
+
     fast = loaded.packing.pack  # treespec's configurations on the packed weights, where they pay
     configs = [BenchConfig.hf_generate()]
     if loaded.fast is not None:
@@ -129,45 +172,144 @@ def run(args):
         drafter, dname = loaded.drafters[d]
         cfg, tname = trees[t]
         configs.append(BenchConfig.treespec(drafter, cfg, dname, tname, fast=fast))
+    return configs
 
-    bars = Bars(lambda stage: "prompt" if stage == "prompts" else "config", leave=lambda stage: stage == "prompts",
-                postfix=lambda p: p.config)
-    res = run_bench(loaded.model, prompts, configs, max_new_tokens=args.max_new_tokens, temperature=sp.temperature,
-                    top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p, seed=args.seed, warmup=args.warmup,
-                    attention_backend=args.backend, callback=bars, fast_path=loaded.fast, auto_profile=profile,
-                    options=generation_options(args), tokenizer=loaded.tokenizer, packing=loaded.packing,
-                    journal=args.journal)
-    bars.close()
-    data = to_json(res, command="treespec " + shlex.join(portable(a) for a in args.argv), model=args.model,
-                   dataset=portable(args.dataset), prompt_format=fmt)
+
+def output_paths(args, now: float | None = None) -> tuple[Path, Path]:
+    """(report, journal): ``--out``, else a new file under :data:`REPORT_DIR` named by the time
+    (``-2``, ``-3``, ... where one of that second exists); ``--journal``, else the report's path
+    with ``.jsonl``."""
+    out = Path(args.out) if args.out else None
+    if out is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+        name, n = stamp, 1
+        while any((Path(REPORT_DIR) / f"{name}{ext}").exists() for ext in (".json", ".txt", ".jsonl")):
+            n += 1
+            name = f"{stamp}-{n}"
+        out = Path(REPORT_DIR) / f"{name}.json"
+    if args.journal:
+        return out, Path(args.journal)
+    return out, out.with_suffix(".jsonl" if out.suffix != ".jsonl" else ".journal.jsonl")
+
+
+def _journal_line(args, journal: Path) -> str:
+    if args.journal is None and journal.exists():
+        return (f"treespec: resuming from {journal}, the journal a stopped run of this report left (delete it to "
+                f"start afresh)")
+    return (f"treespec: journal {journal}: a stopped run resumes from it with --journal {shlex.quote(str(journal))}"
+            + ("" if args.journal else "; removed once the report is written"))
+
+
+def resume_hint(args, journal: Path, total: int) -> str:
+    """What a stopped run says: how many prompts its journal keeps, and the exact command that
+    resumes from it (the command as given, with ``--journal`` where it had none)."""
+    kept = 0
+    if journal.exists():
+        kept = max(len(journal.read_text().splitlines()) - 1, 0)  # a header, then a line per prompt
+    argv = list(args.argv) + ([] if args.journal else ["--journal", str(journal)])
+    return (f"treespec: stopped with {kept} of {total} prompt(s) done, kept in {journal}; to resume:\n"
+            f"  treespec {shlex.join(argv)}")
+
+
+def _title(args, data: dict, prompts, fmt: str, sp) -> str:
     counts = {c: sum(p.category == c for p in prompts) for c in data.get("categories", [])}
-    report = "\n".join([
-        _wrap(f"{args.model} on {data['dataset']} ({fmt} prompts): {len(prompts)} prompt(s)"
-              + _per_category(counts) + f", {args.max_new_tokens} new tokens"
-              + (" a turn" if any(p.num_turns > 1 for p in prompts) else "")
-              + ", " + ("greedy" if sp.greedy else f"temperature {sp.temperature}")),
-        *(_wrap(line) for line in header_lines(data)),
-        format_table(data, wide=args.wide),
-        *(_wrap(f"note: {note}") for note in data["notes"]),
-    ]) + "\n"
-    sys.stdout.write(report)
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(data, indent=2) + "\n")
-        # The table as printed, beside the JSON: a clean text record (no progress bars).
-        out.with_suffix(".txt").write_text(f"$ {data['command']}\n{report}")
-        print(f"wrote {out} and {out.with_suffix('.txt')}")
+    return _wrap(f"{args.model} on {data['dataset']} ({fmt} prompts): {len(prompts)} prompt(s)"
+                 + _per_category(counts) + f", {args.max_new_tokens} new tokens"
+                 + (" a turn" if any(p.num_turns > 1 for p in prompts) else "")
+                 + ", " + ("greedy" if sp.greedy else f"temperature {sp.temperature}"))
+
+
+def _write(args, data: dict, report: str, out: Path) -> None:
+    """The report as JSON at ``out`` and as printed beside it (.txt), the plots where asked;
+    each path printed."""
+    from ..bench import save_plots
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=2) + "\n")
+    # The table as printed, beside the JSON: a clean text record (no progress bars).
+    out.with_suffix(".txt").write_text(f"$ {data['command']}\n{report}")
+    print(f"wrote {out} and {out.with_suffix('.txt')}")
     if args.plot_dir:
-        prefix = args.plot_prefix if args.plot_prefix is not None else f"{Path(args.out).stem}-" if args.out else "bench-"
+        prefix = (args.plot_prefix if args.plot_prefix is not None
+                  else f"{Path(args.out).stem}-" if args.out else "bench-")
         for path in save_plots(data, args.plot_dir, prefix):
             print(f"wrote {path}")
-    bad = [c for c in data["configs"] if c["kind"] == "treespec" and c.get("unexplained")]
-    if bad:
-        print("treespec: error: greedy output differs from HF generate other than at a rounding near-tie: "
-              + "; ".join(f"{c['name']} on {c['unexplained']} prompt(s)" for c in bad), file=sys.stderr)
-        return 1
-    return 0
+
+
+def _progress():
+    """Bars on a terminal; in a log (stderr redirected or piped), a line per finished prompt."""
+    if sys.stderr.isatty():
+        return Bars(lambda stage: "prompt" if stage == "prompts" else "config", leave=lambda stage: stage == "prompts",
+                    postfix=lambda p: p.config)
+    return PromptLines(sys.stderr)
+
+
+class PromptLines:
+    """The bench's progress where stderr is no terminal: one line per finished prompt, with each
+    configuration's tokens/s on it (and its speedup over the first, HF generate, and tau), the
+    time so far and an estimate of the time left; one line for the warm-up and one for the
+    prompts read back from a journal."""
+
+    def __init__(self, stream, clock=time.monotonic):
+        self.stream, self.clock = stream, clock
+        self.start = clock()
+        self.since = None  # when the first prompt this process runs began
+        self.ran = self.resumed = 0
+
+    def __call__(self, p) -> None:
+        if p.stage == "warmup" and p.done == p.total:
+            self._say(f"warm-up done: {p.total} configuration(s) in {_duration(self.clock() - self.start)}")
+        if p.stage != "prompts":
+            return
+        if p.config is not None:
+            self.since = self.clock() if self.since is None else self.since
+            return
+        if p.resumed:
+            self.resumed += 1
+            if p.done == p.total:
+                self._resumed()
+            return
+        self._resumed()
+        self.ran += 1
+        elapsed = self.clock() - (self.since if self.since is not None else self.start)
+        left = elapsed / self.ran * (p.total - p.done)
+        self._say(f"prompt {p.done}/{p.total}: {prompt_rates(p.runs)} [{_duration(elapsed)}"
+                  + (f", about {_duration(left)} left]" if p.done < p.total else "]"))
+
+    def _resumed(self) -> None:
+        if self.resumed:
+            self._say(f"{self.resumed} prompt(s) read back from the journal")
+            self.resumed = 0
+
+    def _say(self, line: str) -> None:
+        print(f"treespec: {line}", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        self._resumed()
+
+
+def prompt_rates(runs: dict) -> str:
+    """One prompt's records as ``name 12.3 tok/s; name 25.1 (2.04x, tau 2.71); ...``: the
+    first, HF generate, is the baseline of the speedups."""
+    base = next(iter(runs.values())).tokens_per_second
+    cells = []
+    for k, (name, rec) in enumerate(runs.items()):
+        extra = [f"{rec.tokens_per_second / base:.2f}x"] if k and base > 0 else []
+        if rec.metrics is not None:
+            extra.append(f"tau {rec.metrics['mean_accepted_length']:.2f}")
+        cells.append(f"{name} {rec.tokens_per_second:.1f}" + (" tok/s" if not k else "")
+                     + (f" ({', '.join(extra)})" if extra else ""))
+    return "; ".join(cells)
+
+
+def _duration(seconds: float) -> str:
+    """``42s``, ``3m05s``, ``1h02m``."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def _per_category(counts: dict[str, int]) -> str:
