@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from treespec import data
+from treespec.cli import main as cli_main
 from treespec.train.magpie import (EvalOverlap, _chunk_done, captured_conversations, filter_follow_ups,
-                                   filter_user_turns, generate_user_turns, main, normalise, user_turn_prefix)
+                                   filter_user_turns, generate_user_turns, normalise, user_turn_prefix)
 
 from tiny import save_tiny_lm
 
@@ -149,9 +150,9 @@ def test_follow_ups_end_to_end_are_seeded_and_written_as_conversations(tmp_path,
     say = tok("a fine answer", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     write_capture(tmp_path / "cap", tok, prompts, [(0, say), (1, say), (2, say)])
     torch.set_num_threads(1)
-    argv = ["--model", str(folder), "--follow-ups", str(tmp_path / "cap"), "--batch-size", "2",
+    argv = ["make-prompts", "--model", str(folder), "--follow-ups", str(tmp_path / "cap"), "--batch-size", "2",
             "--work", str(tmp_path / "w"), "--out", str(tmp_path), "--dtype", "float32"]
-    main(argv)
+    assert cli_main(argv) == 0
     raw = [json.loads(x) for c in (0, 1) for x in (tmp_path / "w" / f"chunk-{c:05d}.jsonl").read_text().splitlines()]
     assert [r["source"] for r in raw] == [f"{prompts}:{i}" for i in range(3)]
     assert [r["chunk"] for r in raw] == [0, 0, 1] and {r["seed"] for r in raw} == {1}
@@ -165,7 +166,7 @@ def test_follow_ups_end_to_end_are_seeded_and_written_as_conversations(tmp_path,
         "".join(json.dumps({**r, "prompt": p, "ended": True}, ensure_ascii=False) + "\n" for r, p in zip(raw[:2], [
             "Could you say more about why that works, with an example?\u2029Thanks", "question 1"])), encoding="utf-8")
     monkeypatch.setattr("treespec.train.magpie.generate_user_turns", None)  # nothing left to sample
-    main(argv)
+    assert cli_main(argv) == 0
     rows = [json.loads(x) for x in gzip.open(tmp_path / "magpie_chat2.jsonl.gz", "rt")]
     assert rows[0]["messages"] == [*convs[0]["messages"], {
         "role": "user", "content": "Could you say more about why that works, with an example?\u2029Thanks"}]

@@ -38,7 +38,7 @@ PROMPT_SETS = {
         "Complete the following Python function. Reply with the whole function in one "
         "Python code block.\n\n```python\n{text}```",
     ),
-    "chat": ("chat-eval", "prompt", "{text}"),  # held out from chat-train (treespec/train/prompts.py)
+    "chat": ("chat-eval", "prompt", "{text}"),  # held out from chat-train (treespec/train/generated_prompts.py)
 }
 
 

@@ -4,8 +4,9 @@
     treespec chat [--model M] [--draft D] [--tree T] [--system TEXT] [--max-new-tokens N] ...
     treespec bench [--dataset gsm8k] [--draft D ...] [--tree T ...] [--out results.json] ...
     treespec tree show PRESET|TREE.json [--prompt TEXT --model M --draft D] --out tree.png
-    treespec train-eagle --data DATA.jsonl --out DIR ...
+    treespec train-eagle --model M --out DIR [--budget 2h] | --data DATA.jsonl | --captured DIR ...
     treespec capture --data NAME[,NAME...] --out DIR [--max-examples N] [--sample-share 0.2] ...
+    treespec make-prompts [--model M] --n N --work DIR --out DIR | --follow-ups CAPTURE[,...] | --templated
     treespec export --to vllm|sglang|eagle [--draft D] [--tree T] [--model M]
     treespec tune [--model M] [--draft D] [--dataset gsm8k] --out PROFILE.json [--plot-dir DIR]
 
@@ -46,6 +47,7 @@ COMMANDS = {
     "tree": "look at tree shapes",
     "train-eagle": "train an EAGLE draft head for a target model",
     "capture": "capture the target's own answers and features in resumable shards, for train-eagle",
+    "make-prompts": "write training prompts: the target's own user turns (or follow-ups), or the templated sets",
     "export": "print how to serve an EAGLE-3 head with vLLM, SGLang or the EAGLE reference",
     "tune": "learn an auto-tree profile (cost curve, calibration) for a model/draft pair",
 }

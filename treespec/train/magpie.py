@@ -15,15 +15,17 @@ Every chunk of ``batch_size`` messages is sampled from its own seed, ``(seed, ch
 chunk is the same whatever ran before it (on one machine, dtype and thread count: sampling
 follows the logits' rounding). The filters are deterministic.
 
-Build the shipped set (resumable: chunks are kept in ``--work`` and skipped when present)::
+Chunks are kept in a folder and skipped when present (:func:`sample_chunk`, :func:`chunks_to_sample`),
+so a set of thousands builds over several sessions. ``treespec train-eagle --model M --out DIR``
+samples its prompts this way (:mod:`treespec.train.pipeline`); the shipped set was built with::
 
-    python -m treespec.train.magpie --n 32768 --work runs/magpie --out treespec/data
+    treespec make-prompts --n 32768 --work runs/magpie --out treespec/data
 
 **Second turns.** After a capture has answered first turns, the target writes a follow-up to
 each of its own answers (``history`` = the user's turn and the target's answer, as in
 MT-bench, whose second turns are asked after the model's own first answer)::
 
-    python -m treespec.train.magpie --follow-ups benchmarks/data/captures/cap-magpie-val,benchmarks/data/captures/cap-magpie \
+    treespec make-prompts --follow-ups benchmarks/data/captures/cap-magpie-val,benchmarks/data/captures/cap-magpie \
         --work runs/magpie2 --out treespec/data     # magpie_chat2.jsonl.gz: {"messages": [user, assistant, user]}
 
 The conversations come from the capture folders' answers files (:func:`captured_conversations`,
@@ -34,8 +36,6 @@ one that repeats its conversation's first turn is dropped too.
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import gzip
 import io
 import json
@@ -46,12 +46,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from ..data import read_jsonl as read_rows  # plain dicts (train.data.read_jsonl makes Examples)
 
 __all__ = ["user_turn_prefix", "generate_user_turns", "filter_user_turns", "EvalOverlap", "normalise",
-           "captured_conversations", "filter_follow_ups"]
+           "captured_conversations", "filter_follow_ups", "chunk_file", "chunks_to_sample", "sample_chunk",
+           "read_chunks", "kept_turns", "write_prompt_set"]
 
 log = logging.getLogger(__name__)
 
@@ -284,15 +283,12 @@ def filter_follow_ups(rows: list[dict], overlap: EvalOverlap | None = None, *, r
     return kept, why + more
 
 
-# ---- the shipped set ----------------------------------------------------------------------------
+# ---- chunks and prompt sets -----------------------------------------------------------------------
 
 
-def _write_gz(path: Path, rows) -> None:
-    buf = io.BytesIO()
-    with gzip.GzipFile(fileobj=buf, mode="wb", mtime=0) as f:
-        for r in rows:
-            f.write((json.dumps(r, ensure_ascii=False) + "\n").encode())
-    path.write_bytes(buf.getvalue())
+def chunk_file(work, c: int) -> Path:
+    """Where chunk ``c`` of raw messages is kept in the folder ``work``."""
+    return Path(work) / f"chunk-{c:05d}.jsonl"
 
 
 def _chunk_done(path: Path, part: list[dict] | None) -> bool:
@@ -305,79 +301,87 @@ def _chunk_done(path: Path, part: list[dict] | None) -> bool:
     return [r["source"] for r in read_rows(path)] == [x["source"] for x in part]
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m treespec.train.magpie", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--n", type=int, default=None,
-                   help="raw first-turn messages to sample, before filtering (default 32768); with --follow-ups, "
-                        "at most this many follow-ups (default: one per captured conversation)")
-    p.add_argument("--follow-ups", metavar="CAPTURE[,CAPTURE]", default=None,
-                   help="write second turns instead: a follow-up to each conversation these capture folders answered")
-    p.add_argument("--seed", type=int, default=None, help="default 0 for first turns, 1 for follow-ups")
-    p.add_argument("--batch-size", type=int, default=64, help="messages per chunk (each chunk has its own seed)")
-    p.add_argument("--dtype", default="auto", help="auto: bf16 where the CPU has it natively, else fp32")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--work", default=None, help="folder of raw chunks (a re-run skips those present; default "
-                                                "runs/magpie, runs/magpie2 for follow-ups)")
-    p.add_argument("--out", default=None, help="write magpie_chat.jsonl.gz (filtered; follow-ups: "
-                                               "magpie_chat2.jsonl.gz) here, e.g. treespec/data")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    follow = args.follow_ups is not None
-    seed = args.seed if args.seed is not None else int(follow)
+def _part(conversations, c: int, batch_size: int):
+    return None if conversations is None else conversations[c * batch_size: (c + 1) * batch_size]
 
-    from tqdm import tqdm
 
-    from ..models import load
-    from ..packing import PackedLinears, default_dtype, packing_supported
+def chunks_to_sample(work, chunks, batch_size: int = 64, conversations: list[dict] | None = None) -> list[int]:
+    """Which of ``chunks`` (indices) ``work`` does not hold yet; with ``conversations`` (follow-ups,
+    :func:`captured_conversations`), also those that follow other conversations than these."""
+    return [c for c in chunks if not _chunk_done(chunk_file(work, c), _part(conversations, c, batch_size))]
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    work = Path(args.work or ("runs/magpie2" if follow else "runs/magpie"))
-    work.mkdir(parents=True, exist_ok=True)
-    model, tok = None, None
-    if follow:  # the conversations are read with the target's tokenizer
-        model, tok = load(args.model, dtype=default_dtype() if args.dtype == "auto" else getattr(torch, args.dtype))
-        convs = captured_conversations(args.follow_ups.split(","), tok)[: args.n]
-        n = len(convs)
+
+def sample_chunk(model, tokenizer, work, c: int, seed: int, *, batch_size: int = 64,
+                 conversations: list[dict] | None = None, max_new_tokens: int = 160) -> list[dict]:
+    """Chunk ``c``: ``batch_size`` first turns, or with ``conversations`` a follow-up to each of
+    its share of them (rows then carry their ``source``), sampled from seed ``(seed, c)`` and
+    written to ``work`` under a temporary name, then renamed (a killed run leaves whole chunks)."""
+    part = _part(conversations, c, batch_size)
+    if part is None:
+        rows = generate_user_turns(model, tokenizer, batch_size, seed, chunk=c, batch_size=batch_size,
+                                   max_new_tokens=max_new_tokens)
     else:
-        n = args.n if args.n is not None else 32768
-    chunks = range((n + args.batch_size - 1) // args.batch_size)
-    todo = [c for c in chunks if not _chunk_done(work / f"chunk-{c:05d}.jsonl",
-                                                 convs[c * args.batch_size: (c + 1) * args.batch_size] if follow else None)]
-    if todo:
-        if model is None:
-            model, tok = load(args.model, dtype=default_dtype() if args.dtype == "auto" else getattr(torch, args.dtype))
-        with PackedLinears(model) if packing_supported(model) else contextlib.nullcontext():
-            for c in tqdm(todo, desc="follow-ups" if follow else "user turns", unit="chunk"):
-                if follow:
-                    part = convs[c * args.batch_size: (c + 1) * args.batch_size]
-                    rows = generate_user_turns(model, tok, len(part), seed, chunk=c, batch_size=args.batch_size,
-                                               history=[x["messages"] for x in part])
-                    rows = [{**r, "source": x["source"]} for r, x in zip(rows, part)]
-                else:
-                    rows = generate_user_turns(model, tok, args.batch_size, seed, chunk=c, batch_size=args.batch_size)
-                tmp = work / f"chunk-{c:05d}.jsonl.tmp"
-                tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-                tmp.replace(work / f"chunk-{c:05d}.jsonl")
-    rows = [r for c in chunks for r in read_rows(work / f"chunk-{c:05d}.jsonl")]
-    if follow:
-        by_source = {x["source"]: x["messages"] for x in convs}
-        rows = [{**r, "messages": by_source[r["source"]]} for r in rows]  # _chunk_done checked every source
-        kept, why = filter_follow_ups(rows, EvalOverlap.packaged())
+        rows = generate_user_turns(model, tokenizer, len(part), seed, chunk=c, batch_size=batch_size,
+                                   history=[x["messages"] for x in part], max_new_tokens=max_new_tokens)
+        rows = [{**r, "source": x["source"]} for r, x in zip(rows, part)]
+    path = chunk_file(work, c)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    tmp.replace(path)
+    return rows
+
+
+def read_chunks(work, chunks) -> list[dict]:
+    """The raw rows of ``chunks`` (indices) of ``work``, in order."""
+    return [r for c in chunks for r in read_rows(chunk_file(work, c))]
+
+
+def kept_turns(rows: list[dict], conversations: list[dict] | None = None,
+               overlap: EvalOverlap | None = None) -> tuple[list[dict], Counter]:
+    """:func:`filter_user_turns` of first turns, or with ``conversations`` (those the rows follow
+    up, by ``source``) :func:`filter_follow_ups`; ``overlap`` defaults to the packaged
+    evaluation sets."""
+    overlap = overlap if overlap is not None else EvalOverlap.packaged()
+    if conversations is None:
+        return filter_user_turns(rows, overlap)
+    by_source = {x["source"]: x["messages"] for x in conversations}
+    rows = [{**r, "messages": by_source[r["source"]]} for r in rows]  # chunks_to_sample checked every source
+    return filter_follow_ups(rows, overlap)
+
+
+def write_prompt_set(path, kept: list[dict]) -> Path:
+    """The kept rows as a prompt set ``train-eagle``/``capture`` read: ``{"prompt", "seed",
+    "chunk"}`` for first turns, ``{"messages": [..., user], "source", "seed", "chunk"}`` for
+    follow-ups (gzip without a timestamp where ``path`` ends in ``.gz``: the same rows give the
+    same bytes)."""
+    path = Path(path)
+
+    def row(r):
+        if "messages" in r:
+            return {"messages": [*r["messages"], {"role": "user", "content": r["prompt"]}], "source": r["source"],
+                    "seed": r["seed"], "chunk": r["chunk"]}
+        return {"prompt": r["prompt"], "seed": r["seed"], "chunk": r["chunk"]}
+
+    lines = (row(r) for r in kept)
+    if path.suffix == ".gz":
+        _write_gz(path, lines)
     else:
-        kept, why = filter_user_turns(rows, EvalOverlap.packaged())
-    print(f"{len(kept)} of {len(rows)} kept; dropped: {dict(why.most_common())}")
-    if args.out:
-        if follow:
-            path = Path(args.out) / "magpie_chat2.jsonl.gz"
-            _write_gz(path, ({"messages": [*r["messages"], {"role": "user", "content": r["prompt"]}],
-                              "source": r["source"], "seed": r["seed"], "chunk": r["chunk"]} for r in kept))
-        else:
-            path = Path(args.out) / "magpie_chat.jsonl.gz"
-            _write_gz(path, ({"prompt": r["prompt"], "seed": r["seed"], "chunk": r["chunk"]} for r in kept))
-        print(f"wrote {path}")
+        path.write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines), encoding="utf-8")
+    return path
 
 
-if __name__ == "__main__":
-    main()
+def _write_gz(path: Path, rows) -> None:
+    buf = io.BytesIO()
+    with gzip.GzipFile(fileobj=buf, mode="wb", mtime=0) as f:
+        for r in rows:
+            f.write((json.dumps(r, ensure_ascii=False) + "\n").encode())
+    path.write_bytes(buf.getvalue())
+
+
+if __name__ == "__main__":  # the command of earlier versions: treespec make-prompts takes the same flags
+    import sys
+
+    from ..cli import main
+
+    sys.exit(main(["make-prompts", *sys.argv[1:]]))

@@ -17,12 +17,11 @@ Every list is in a fixed order (a seeded shuffle), so that any prefix is a balan
 
 Regenerate the shipped files (from the repository root)::
 
-    python -m treespec.train.prompts --out treespec/data
+    treespec make-prompts --templated --out treespec/data
 """
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import hashlib
 import importlib
@@ -36,7 +35,7 @@ import textwrap
 import warnings
 from pathlib import Path
 
-__all__ = ["stdlib_code_prompts", "chat_prompts", "write_jsonl_gz", "STDLIB_MODULES",
+__all__ = ["stdlib_code_prompts", "chat_prompts", "write_jsonl_gz", "write_templated_sets", "STDLIB_MODULES",
            "CHAT_TOPICS", "CHAT_TEMPLATES", "EVAL_TOPICS", "EVAL_TEMPLATES"]
 
 # Pure-Python or ubiquitous modules, present on every platform: the output does not depend
@@ -326,18 +325,14 @@ def write_jsonl_gz(rows: list[dict], path) -> Path:
     return path
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="write treespec's generated prompt sets")
-    ap.add_argument("--out", default="treespec/data")
-    args = ap.parse_args(argv)
-    out = Path(args.out)
+def write_templated_sets(out) -> list[tuple[Path, int]]:
+    """Write the shipped templated sets (``stdlib_code``, ``chat_train``, ``chat_eval``, gzip
+    JSONL) into the folder ``out``: ``treespec make-prompts --templated --out treespec/data``.
+    Returns each file and its number of prompts."""
+    out = Path(out)
+    written = []
     for fname, rows in (("stdlib_code.jsonl.gz", stdlib_code_prompts()),
                         ("chat_train.jsonl.gz", chat_prompts("train")),
                         ("chat_eval.jsonl.gz", chat_prompts("eval"))):
-        write_jsonl_gz(rows, out / fname)
-        print(f"wrote {out / fname}: {len(rows)} prompts")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        written.append((write_jsonl_gz(rows, out / fname), len(rows)))
+    return written
