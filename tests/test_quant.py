@@ -26,11 +26,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import treespec
-from tiny import tiny_model
+from tiny import STORIES260K_MISSING, stories260k_gguf, tiny_model
 from treespec.drafters.model import ModelDrafter
 from treespec.drafters.ngram import NgramDrafter
 from treespec.models import load
-from treespec.models.common import shared_dir
 from treespec.models.gguf_blocks import decode_blocks, gguf_linears
 from treespec.models.quant import GROUP_SIZES, Int4Linear, Int8Linear, quantize_linears, weights_format
 
@@ -167,9 +166,8 @@ def test_gguf_blocks_decode_to_the_files_weights(kind):
             assert_linear_close(module, w, torch.randn(3, 128), dtype)
 
 
-STORIES = shared_dir() / "models" / "stories260K.gguf" if shared_dir() else None
-needs_stories = pytest.mark.skipif(STORIES is None or not STORIES.is_file(),
-                                   reason="stories260K.gguf is in the project's shared/models folder, absent here")
+STORIES = stories260k_gguf()
+needs_stories = pytest.mark.skipif(STORIES is None, reason=STORIES260K_MISSING)
 # What each linear of the requantized stories260K is stored as; ffn_down (172 inputs) stays F32,
 # as llama.cpp leaves a row that no block divides.
 REQUANT = {"attn_q": "Q4_1", "attn_k": "Q4_0", "attn_v": "Q8_0", "attn_output": "Q4_1", "ffn_gate": "Q4_0",
@@ -204,8 +202,8 @@ def write_requantized(source: Path, target: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def requantized(tmp_path_factory):
-    if STORIES is None or not STORIES.is_file():
-        pytest.skip("stories260K.gguf is in the project's shared/models folder, absent here")
+    if STORIES is None:
+        pytest.skip(STORIES260K_MISSING)
     return write_requantized(STORIES, tmp_path_factory.mktemp("gguf") / "stories260K-q.gguf")
 
 
@@ -266,9 +264,39 @@ def test_gguf_weights_need_blocks_and_a_gguf(tmp_path):
         load(tmp_path, weights="gguf")
     with pytest.raises(ValueError, match="one of"):
         load(tmp_path, weights="int3")
-    if STORIES is not None and STORIES.is_file():  # all F32: nothing to run on the kernels
+    if STORIES is not None:  # all F32: nothing to run on the kernels
         with pytest.raises(ValueError, match="holds no linear weights in Q4_0, Q4_1, Q8_0 blocks"):
             load(STORIES, weights="gguf")
+
+
+# ---- the command line ----------------------------------------------------------------------
+
+
+def test_cli_generate_on_gguf_blocks_is_their_greedy_text(requantized, capsys, one_thread):
+    """``--weights gguf``: the streamed text is HF generate's on the file's blocks."""
+    from treespec import cli
+
+    model, tok = load(requantized, weights="gguf")
+    ids = torch.tensor([tok("Once upon a time").input_ids])
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
+    expected = tok.decode(ref[0, ids.shape[1]:], skip_special_tokens=True)
+    rc = cli.main(["generate", "--model", str(requantized), "--weights", "gguf", "--dtype", "float32", "--draft",
+                   "ngram", "--tree", "chain-3", "--no-pack", "--prompt", "Once upon a time",
+                   "--max-new-tokens", "24"])
+    out, _ = capsys.readouterr()
+    assert rc == 0 and len(expected) > 20 and out.startswith(expected)
+
+
+def test_cli_weights_errors_are_one_line(tmp_path, capsys, one_thread):
+    from tiny import save_tiny_lm
+    from treespec import cli
+
+    folder = save_tiny_lm(tmp_path / "lm")
+    capsys.readouterr()  # saving draws transformers' bars
+    rc = cli.main(["generate", "--model", str(folder), "--weights", "gguf", "--draft", "ngram", "--prompt", "Hi"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc != 0 and len(err) == 1 and err[0].startswith("treespec: error: --weights gguf: ")
+    assert "no .gguf file" in err[0] and "int4" in err[0]
 
 
 # ---- quantized on load: treespec on the quantized model ------------------------------------
@@ -307,6 +335,27 @@ def test_stories260k_quantized_on_load(weights, one_thread):
     assert out.sequences[0] == ref[len(prompt):].tolist()
     kinds = {type(m).__name__ for m in model.model.layers[0].mlp.children()}
     assert kinds == {"Int4Linear" if weights == "int4" else "Int8Linear", "Linear", "SiLUActivation"}
+
+
+def test_packing_leaves_quantized_layers_and_keys_by_format():
+    """oneDNN packing takes the dense layers left (the head); its cached timings are per format."""
+    from treespec.packing import PackedLinear, PackedLinears, packing_supported
+    from treespec.pack_choice import packing_key
+
+    keys = {}
+    for weights in ("dense", "int4", "int8"):
+        model = tiny_model("llama", 0, hidden=64)
+        if weights != "dense":
+            quantize_linears(model, weights)
+        keys[weights] = packing_key(model)
+        if packing_supported(model):
+            ids = torch.tensor([[1, 2, 3]])
+            ref = model(ids).logits
+            with PackedLinears(model) as packed:
+                assert len(packed) == (1 if weights != "dense" else 2 * 7 + 1)
+                assert isinstance(model.lm_head, PackedLinear)
+                torch.testing.assert_close(model(ids).logits, ref, rtol=1e-4, atol=1e-4)
+    assert len({key["weights"] for key in keys.values()}) == 3
 
 
 def test_quantize_refuses_what_it_cannot_make():

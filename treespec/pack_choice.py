@@ -39,6 +39,7 @@ import torch
 
 from . import costs
 from .costs import device_name, model_identity, prefixed_forward, sample_spread
+from .models.quant import weights_format
 from .packing import PackedLinears, packing_supported
 
 __all__ = ["PackingTimes", "PackingChoice", "packing_key", "measure_packing", "choose_packing", "SIZES"]
@@ -148,10 +149,11 @@ class PackingChoice:
 
 
 def packing_key(model) -> dict:
-    """What the choice depends on: the model, its dtype, the thread count, the CPU and torch
-    (whose oneDNN and MKL do the work)."""
+    """What the choice depends on: the model, its dtype, its linears' format (on 4-bit weights only
+    the output head is left to pack), the thread count, the CPU and torch (whose oneDNN and MKL
+    do the work)."""
     p = next(model.parameters())
-    return {**model_identity(model), "dtype": str(p.dtype).removeprefix("torch."),
+    return {**model_identity(model), "dtype": str(p.dtype).removeprefix("torch."), "weights": weights_format(model),
             "threads": torch.get_num_threads(), "device": device_name(p.device), "torch": torch.__version__,
             "sizes": list(SIZES)}
 

@@ -95,7 +95,8 @@ def generation_options(args) -> dict:
 
 
 def add_runtime(p, *, device: str = "auto", dtype: str = "auto", pack: bool | None = None, graphs: bool = True):
-    """--backend, --cuda-graphs (``graphs``: where a drafter runs), --threads, --device, --dtype, --pack; ``tree
+    """--backend, --cuda-graphs (``graphs``: where a drafter runs), --threads, --device, --dtype, --weights,
+    --pack; ``tree
     show`` passes cpu, float32 and no packing (what it always drew with), so its defaults stay."""
     def here(value, usual):
         return "" if value == usual else f" (default here: {value})"
@@ -115,6 +116,13 @@ def add_runtime(p, *, device: str = "auto", dtype: str = "auto", pack: bool | No
                    help="weights and activations of the target and draft (probabilities and verification stay "
                         "fp32). auto: bfloat16 on a GPU or a CPU with native bf16 (AVX512-BF16/AMX), else float32"
                         + here(dtype, "auto"))
+    p.add_argument("--weights", choices=["dense", "gguf", "int4", "int8"], default="dense",
+                   help="the target's linear layers: dense (in --dtype, the default); gguf, on the GGUF file's own "
+                        "Q4_0/Q4_1/Q8_0 blocks (a .gguf model or a named one, as the default model is: exact to "
+                        "the file's weights up to --dtype's rounding of their scales); int4 (groups of 32) or int8 "
+                        "(a scale a row), quantized on load. Not dense: torch's CPU kernels, bfloat16 the fast "
+                        "--dtype, the output head dense, and the output that of the model so quantized "
+                        "(docs/runtime.md)")
     p.add_argument("--pack", action=argparse.BooleanOptionalAction, default=pack,
                    help="run the model's linear layers on oneDNN-packed weights (CPU; about 0.5 s to pack, doubles "
                         "the linear weights' memory); --no-pack: on plain weights. Default: whichever runs a verify "

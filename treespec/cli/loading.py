@@ -55,13 +55,18 @@ def load_progress() -> Bars:
     return Bars("B", leave=False, say=True, only=("download",))
 
 
-def load_model(name, dtype=None):
+def load_model(name, dtype=None, weights: str = "dense"):
     from .. import models
 
     try:
-        return models.load(name, progress=load_progress(), **({"dtype": dtype} if dtype is not None else {}))
+        return models.load(name, progress=load_progress(), weights=weights,
+                           **({"dtype": dtype} if dtype is not None else {}))
     except models.ModelUnavailableError as e:
         raise UserError(str(e)) from None
+    except ValueError as e:
+        if weights == "dense":
+            raise
+        raise UserError(f"--weights {weights}: {e}") from None  # a format this model cannot take
     except OSError as e:  # a folder transformers cannot read
         raise UserError(f"cannot load the model {name!r}: {e}".splitlines()[0]) from None
 
@@ -85,9 +90,12 @@ def dtype(args):
 
 
 def load_target(args):
-    """The target model and tokenizer per --model, --device and --dtype."""
-    model, tok = load_model(args.model, dtype(args))
-    where = device(args)
+    """The target model and tokenizer per --model, --device, --dtype and --weights."""
+    weights, where = getattr(args, "weights", "dense"), device(args)
+    if weights != "dense" and where != "cpu":
+        raise UserError(f"--weights {weights} runs on torch's CPU kernels: use --device cpu, or dense weights on "
+                        f"{where}")
+    model, tok = load_model(args.model, dtype(args), weights)
     return (model.to(where) if where != "cpu" else model), tok
 
 
