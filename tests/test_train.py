@@ -1,11 +1,13 @@
 """The EAGLE trainer: data handling, the training-time-test masks, the packaged training
 prompts, and a short end-to-end run (self-distilled and teacher-forced examples), resume
 and the saved head loading back into a lossless drafter, on a tiny model folder the tests
-build (``tiny.save_tiny_lm``)."""
+build (``tiny.save_tiny_lm``); the self-generated run of ``treespec train-eagle --model M
+--out DIR`` (its sizing to a budget, every stage, resuming) and its progress lines."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -103,6 +105,10 @@ def test_train_end_to_end_resume_and_load(tmp_path):
     seen = []
     head = train_eagle(model, tok, cfg, callback=seen.append)
     assert {p.stage for p in seen} >= {"regenerate", "capture", "train"}
+    # Each stage reports 0 done before its work, so a bar's rate counts the work (issue 50: the
+    # regeneration bar was first drawn once done, and finished at "578524 it/s").
+    for stage in ("regenerate", "capture", "train"):
+        assert next(p for p in seen if p.stage == stage).done == 0
     records = torch.load(out / "captured.pt", weights_only=False)
     assert len(records) == 4  # the over-long conversation was skipped, not fatal
     for r in records:
@@ -122,3 +128,158 @@ def test_train_end_to_end_resume_and_load(tmp_path):
     ref = model.generate(torch.tensor([[1] + prompt]), max_new_tokens=16, do_sample=False)[0, len(prompt) + 1:]
     got = treespec.generate(model, draft, "cpu-tiny", [1] + prompt, max_new_tokens=16)
     assert got.sequences[0] == ref.tolist()
+
+
+# ---- the self-generated run (treespec train-eagle --model M --out DIR) ------------------------
+
+
+def test_size_plan_fills_the_budget_from_the_measured_rates():
+    from treespec.train.budget import (MIN_PROMPTS, Plan, Rates, answer_tokens_for, format_duration, refit_epochs,
+                                       size_plan, tune_size)
+
+    rates = Rates(turn=0.5, keep=0.8, answer=1.2, train=0.2, tune=60)  # 0.625 + 1.2 + 2 x 0.2 = 2.225 s each
+    plan = size_plan(7000, rates)
+    assert plan == Plan(prompts=3119, answer_tokens=256, epochs=2.0)  # floor((7000 - 60) / 2.225)
+    assert sum(plan.seconds(rates).values()) <= 7000 < sum(Plan(3120, 256, 2.0).seconds(rates).values())
+    assert size_plan(7000, rates, prompts=100, epochs=3) == Plan(100, 256, 3)  # given amounts are kept
+    assert size_plan(7000, rates, epochs=1).prompts == 3427  # fewer epochs: more data
+    assert size_plan(30, rates).prompts == MIN_PROMPTS  # too short: the least that trains, said by the run
+    # Once the answers are in: the epochs fit the time left, within [1, 3].
+    assert refit_epochs(60 + 1000 * 0.2 * 2.5, rates, 1000, 2.0) == 2.5
+    assert refit_epochs(100, rates, 1000, 2.0) == 1.0
+    assert refit_epochs(1e6, rates, 1000, 2.0) == 3.0
+    assert [answer_tokens_for(b) for b in (None, 7200, 600, 599, 180, 179)] == [256, 256, 256, 128, 128, 64]
+    assert tune_size(7200) == (8, 128) and tune_size(600) == (4, 64) and tune_size(60) == (2, 32)
+    assert [format_duration(s) for s in (45, 89.6, 600, 3900, 7200)] == ["45 s", "90 s", "10 min", "1 h 05 min",
+                                                                         "2 h 00 min"]
+
+
+@pytest.mark.parametrize("text, seconds", [("2h", 7200), ("30m", 1800), ("5m", 300), ("90s", 90), ("1h30m", 5400),
+                                           ("45", 45), ("1.5h", 5400)])
+def test_budget_durations(text, seconds):
+    from treespec.cli.train_eagle import duration
+
+    assert duration(text) == seconds
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["--budget", "2 hours"], "is not a duration"),
+    (["--budget", "0s"], "more than 0"),
+    (["--budget", "1h30"], "is not a duration"),
+    (["--data", "gsm8k-train", "--budget", "2h"], "self-generated prompts"),
+    (["--regenerate", "5"], "--regenerate is for --data"),
+])
+def test_train_eagle_mistakes_answer_in_one_line(capsys, tmp_path, argv, expect):
+    from treespec.cli import main
+
+    assert main(["train-eagle", "--out", str(tmp_path / "run"), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expect in err[0]
+
+
+@pytest.fixture(scope="module")
+def chat_lm_dir(tmp_path_factory):
+    """A tiny random chat llama whose next-token distributions are nearly flat (``peak=1``): the
+    turns it samples end (EOS) and differ often enough for the filters to keep some (a tenth)."""
+    from tiny import CHATML
+
+    return save_tiny_lm(tmp_path_factory.mktemp("chat-lm") / "lm", chat_template=CHATML, peak=1.0,
+                        max_position_embeddings=512)
+
+
+def _lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("treespec: [")]
+
+
+def test_train_eagle_with_nothing_but_a_model_runs_every_stage_and_resumes(capsys, chat_lm_dir, tmp_path):
+    """Issue 50: ``train-eagle --model M --out D --budget ...`` writes its prompts, answers them,
+    trains, validates and tunes; the head drafts the target's own greedy text; the same command
+    again skips every stage, each said in one line."""
+    from treespec.cli import main
+
+    out = tmp_path / "run"
+    argv = ["train-eagle", "--model", str(chat_lm_dir), "--out", str(out), "--budget", "40s", "--threads", "1",
+            "--draft-vocab", "64"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "plan for 40 s:" in err and "measured:" in err
+    done = [line for line in _lines(err) if re.search(r" in (\d+ s|\d+ min|\d+ h \d\d min)$", line)]
+    assert [line.split()[2].rstrip(":") for line in done] == ["prompts", "answers", "train", "tune"], err
+    assert "held-out top-1 by step" in err and "left in all" in err
+    for f in ("prompts.jsonl", "prompts-val.jsonl", "validation.txt", "head/model.safetensors",
+              "head/auto-profile.json"):
+        assert (out / f).exists(), f
+    state = json.loads((out / "run.json").read_text())
+    assert state["plan"]["prompts"] >= 16 and state["stages"]["prompts"]["kept"] > 0
+
+    model, tok = models.load(chat_lm_dir)
+    draft = treespec.load_draft(out / "head", model)
+    assert draft.auto_calibration is not None  # the tune stage's calibrations, read with the head
+    prompt = tok("Once upon a time", add_special_tokens=False)["input_ids"]
+    ref = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):]
+    got = treespec.generate(model, draft, "cpu-tiny", prompt, max_new_tokens=24)
+    assert got.sequences[0] == ref.tolist()
+    assert main(["generate", "--model", str(chat_lm_dir), "--draft", str(out / "head"), "--tree", "chain-3",
+                 "--prompt", "Once upon a time", "--max-new-tokens", "8", "--threads", "1"]) == 0
+    capsys.readouterr()
+
+    stamp = (out / "head" / "model.safetensors").stat().st_mtime
+    assert main(argv[:-4] + ["--threads", "1", "--draft-vocab", "64"]) == 0  # --budget left out: the run's own
+    lines = _lines(capsys.readouterr().err)
+    assert len(lines) == 4 and all(line.endswith(": skipped") for line in lines), lines
+    assert (out / "head" / "model.safetensors").stat().st_mtime == stamp
+
+
+def test_a_run_stopped_mid_way_resumes_at_the_stage_it_stopped_in(chat_lm_dir, tmp_path):
+    """Stopped as training begins, the run resumes there: prompts and answers are not made again."""
+    from dataclasses import replace
+
+    from treespec.train.pipeline import OwnRun, PipelineConfig
+
+    model, tok = models.load(chat_lm_dir)
+    cfg = PipelineConfig(str(tmp_path / "run"), budget=None, prompts=6, answer_tokens=16, epochs=1,
+                         train=TrainConfig(data="", out_dir="", draft_vocab_size=64, batch_size=4), model="tiny")
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_train(p):
+        if p.stage == "train" and "line" in p.info and "[3/4]" in p.info["line"]:
+            raise Stop
+
+    with pytest.raises(Stop):
+        OwnRun(model, tok, cfg, callback=stop_at_train).run()
+    answers = sorted((tmp_path / "run" / "capture").glob("shard-*.pt"))
+    stamps = [f.stat().st_mtime for f in answers]
+    seen = []
+    OwnRun(model, tok, cfg, callback=seen.append).run()
+    said = [p.info["line"] for p in seen if "line" in p.info]
+    assert said[0].startswith("[1/4] prompts:") and said[0].endswith("skipped")
+    assert said[1].startswith("[2/4] answers:") and said[1].endswith("skipped")
+    assert any(line.startswith("[3/4] train: an EAGLE head, 1 epoch(s)") for line in said)
+    assert [f.stat().st_mtime for f in answers] == stamps and answers
+    assert not any(p.stage in ("prompts", "answers") and "line" not in p.info for p in seen)
+    with pytest.raises(ValueError, match="other settings"):
+        OwnRun(model, tok, PipelineConfig(cfg.out_dir, budget=None, prompts=7, train=cfg.train, model="tiny")).run()
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "checkpoint.pt").touch()  # a run on --data or --captured: not resumed as this one
+    with pytest.raises(ValueError, match="on other data"):
+        OwnRun(model, tok, replace(cfg, out_dir=str(tmp_path / "old"))).run()
+
+
+def test_progress_lines_off_a_terminal_come_every_tenth_with_the_time_left():
+    import io
+    from types import SimpleNamespace as P
+
+    from treespec.cli.train_progress import TrainReport
+
+    f = io.StringIO()
+    report = TrainReport(tty=False, file=f)
+    report(P(stage="answers", done=0, total=0, info={"line": "[2/4] answers: ..."}))
+    for done in range(0, 41):
+        report(P(stage="answers", done=done, total=40, info={"left": 600 - done}))
+    lines = f.getvalue().splitlines()
+    assert lines[0] == "treespec: [2/4] answers: ..."
+    assert len(lines) == 12  # the line, then 0%, 10%, ..., 100%
+    assert lines[1] == "treespec: answers: 0/40 convs (0%), about 10 min left in all"
+    assert lines[-1] == "treespec: answers: 40/40 convs (100%), about 9 min left in all"

@@ -20,7 +20,7 @@ from treespec.train.capture import (
 )
 from treespec.train.data import read_jsonl as read_examples
 from treespec.train.data import tokenize_example
-from treespec.train.prompts import EVAL_TEMPLATES, EVAL_TOPICS, chat_prompts, stdlib_code_prompts
+from treespec.train.generated_prompts import EVAL_TEMPLATES, EVAL_TOPICS, chat_prompts, stdlib_code_prompts
 
 from tiny import save_tiny_lm
 
@@ -71,7 +71,7 @@ def test_stdlib_code_prompts_are_the_shipped_ones(monkeypatch):
     ("utf-8", "'utf-8'"),
 ])
 def test_signature_defaults_that_name_a_machines_folders_are_replaced(monkeypatch, default, shown):
-    from treespec.train.prompts import _signature
+    from treespec.train.generated_prompts import _signature
 
     monkeypatch.setattr(sys, "executable", ELSEWHERE)
 
@@ -639,8 +639,9 @@ def test_cli_capture_resumes_and_train_eagle_reads_it(tmp_path, capsys, monkeypa
     assert cli.main(["train-eagle", "--model", lm, "--captured", cap, "--out", out, "--epochs", "1",
                      "--batch-size", "4", "--draft-vocab", "64"]) == 0
     assert (tmp_path / "run" / "head" / "config.json").exists() and kept == [True]
-    assert cli.main(["train-eagle", "--model", lm, "--out", out]) == 2
-    assert "give --data" in capsys.readouterr().err
+    # No data: the target would write its prompts (issue 50), which needs a chat template.
+    assert cli.main(["train-eagle", "--model", lm, "--out", str(tmp_path / "own")]) == 2
+    assert "has no chat template" in capsys.readouterr().err
     assert cli.main(["capture", "--model", lm, "--data", data, "--out", cap, "--mix", "1,2"]) == 2
     assert "one non-negative weight per dataset" in capsys.readouterr().err
     pen = tmp_path / "pen"  # generation options reach the capture and its manifest
@@ -693,3 +694,17 @@ def test_ablation_runner_on_a_tiny_capture(tmp_path, capsys):
     assert len(rows) == 9 and rows[-1]["name"] == "again" and rows[-1]["train_seconds"] is None
     assert rows[-1]["tau"] == rows[0]["tau"]  # the same head on the same prompts, greedy
     assert rows[-1]["top1_by_step"] == pytest.approx(rows[0]["top1_by_step"], abs=0.05)
+
+
+def test_make_prompts_templated_writes_the_shipped_chat_files(tmp_path, capsys):
+    """``treespec make-prompts --templated`` (was ``python -m treespec.train.prompts``) writes
+    the shipped files byte for byte (the chat sets depend on nothing but treespec)."""
+    from treespec.cli import main
+
+    assert main(["make-prompts", "--templated", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    for name, n in (("chat_train", 3808), ("chat_eval", 48)):
+        assert f"{name}.jsonl.gz: {n} prompts" in out
+        assert (tmp_path / f"{name}.jsonl.gz").read_bytes() == data.dataset_path(name.replace("_", "-")).read_bytes()
+    assert (tmp_path / "stdlib_code.jsonl.gz").exists()
+    assert main(["make-prompts", "--templated", "--n", "5", "--out", str(tmp_path)]) == 2

@@ -6,7 +6,7 @@
 #
 #   restore  the raw chunks kept in benchmarks/data/magpie that runs/magpie lacks, and the capture
 #            folders' answers kept in benchmarks/data/captures (their shards are then rebuilt)
-#   turns    sample N raw first turns from the target (python -m treespec.train.magpie: chunks of 64
+#   turns    sample N raw first turns from the target (treespec make-prompts: chunks of 64
 #            in runs/magpie, each from its own seed, skipped when present), filter them, and write
 #            treespec/data/magpie_chat.jsonl.gz (filtering keeps order, so a larger N only appends)
 #   capture  the target's answers: magpie-chat[:256] held out (runs/cap-magpie-val, greedy), the
@@ -14,7 +14,7 @@
 #            runs/cap-magpie (captured whole), and the turns sampled after them in runs/cap-magpie-more
 #   follow   second turns: a follow-up the target writes to each answer of the FOLLOW captures (default
 #            cap-magpie-val, then cap-magpie; add ,benchmarks/data/captures/cap-magpie-more once it is kept whole:
-#            its chunks then append) (python -m treespec.train.magpie --follow-ups: chunks of 64 in runs/magpie2),
+#            its chunks then append) (treespec make-prompts --follow-ups: chunks of 64 in runs/magpie2),
 #            filtered, written to treespec/data/magpie_chat2.jsonl.gz; the rows that follow held-out conversations
 #            come first
 #   capture2 the target's answers to the second turns (treespec/data/magpie_chat2.jsonl.gz, packaged as
@@ -64,7 +64,7 @@ if has restore; then
 fi
 if has turns; then
   say "turns: $N raw"
-  python -m treespec.train.magpie --n "$N" --work runs/magpie --out treespec/data --threads "$THREADS"
+  treespec make-prompts --n "$N" --work runs/magpie --out treespec/data --threads "$THREADS"
 fi
 if has capture; then
   say capture runs/cap-magpie-val
@@ -78,7 +78,7 @@ if has capture; then
 fi
 if has follow; then
   say "follow: second turns"
-  python -m treespec.train.magpie --follow-ups "$FOLLOW" \
+  treespec make-prompts --follow-ups "$FOLLOW" \
     --work runs/magpie2 --out treespec/data --threads "$THREADS"
   python -c "import treespec.data as d; print(sum(int(r['source'].split(':')[1]) < 256 for r in d.read_jsonl('treespec/data/magpie_chat2.jsonl.gz')), 'rows follow held-out conversations')"
 fi

@@ -2,8 +2,10 @@
 
 Modules, each importing only those before it: ``data`` (JSONL in, tokenised conversations out)
 -> ``records`` (the record format, feature hooks, teacher-forced and generated batches, progress)
--> ``capture`` (sharded, resumable captures) -> ``trainer`` (``train_eagle``). ``prompts`` and
-``magpie`` build training prompt sets.
+-> ``shards`` (reading a capture folder) -> ``capture`` (sharded, resumable captures) -> ``trainer``
+(``train_eagle``) -> ``pipeline`` (a head for one's own model in one call: the target writes its
+prompts, answers them, a head is trained, validated and tuned, sized by ``budget`` to a time
+budget). ``generated_prompts`` and ``magpie`` build training prompt sets.
 """
 
 from .records import Progress

@@ -67,14 +67,13 @@ import torch
 
 from .data import DataStats, Example, read_jsonl, tokenize_example
 from .records import Progress, feature_ids, generated_records, teacher_forced_records
+from .shards import MANIFEST, load_shards, shard_files
 
 __all__ = ["CaptureConfig", "answers_of", "capture_plan", "capture_shards", "load_shards", "parse_data_spec",
-           "shard_files"]
+           "shard_files"]  # load_shards and shard_files: from .shards, where reading lives
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "capture.json"
-_SHARD = re.compile(r"^shard-(\d{6})-(\d{6})\.pt$")
 # Padded tokens per teacher-forced forward of replayed answers: batches cut by length waste
 # little padding, and the forward is already compute-bound at a few thousand tokens.
 _REPLAY_TOKENS = 4096
@@ -337,28 +336,6 @@ def _borrow_answers(cfg: CaptureConfig, tokenizer, plan, ranges, by_key: dict[st
     return borrowed
 
 
-def shard_files(out_dir) -> list[Path]:
-    """The shards of a capture folder that form its longest prefix of the plan, in order
-    (for each start, the longest shard: one written before ``max_examples`` grew is superseded)."""
-    best: dict[int, tuple[int, Path]] = {}
-    for p in Path(out_dir).glob("shard-*.pt"):
-        m = _SHARD.match(p.name)
-        if m:
-            a, b = int(m.group(1)), int(m.group(2))
-            if b > best.get(a, (-1, None))[0]:
-                best[a] = (b, p)
-    out, pos = [], 0
-    while pos in best:
-        stop, path = best[pos]
-        out.append(path)
-        pos = stop
-    missing = sorted(a for a in best if a >= pos)
-    if missing:
-        log.warning("%s: shards from %d on are not contiguous with the first %d conversations; they are not read",
-                    out_dir, missing[0], pos)
-    return out
-
-
 def _check_manifest(out: Path, cfg: CaptureConfig, feature_ids) -> None:
     mpath = out / MANIFEST
     mine = {k: getattr(cfg, k) for k in _IDENTITY}
@@ -387,7 +364,7 @@ def _sampled(cfg: CaptureConfig, key: str) -> tuple[bool, int]:
 @torch.inference_mode()
 def capture_shards(model, tokenizer, cfg: CaptureConfig,
                    callback: Callable[[Progress], None] | None = None, answers_from=(),
-                   borrowed: dict[str, dict] | None = None) -> dict:
+                   borrowed: dict[str, dict] | None = None, stop: Callable[[], bool] | None = None) -> dict:
     """Capture the plan into ``cfg.out_dir`` shard by shard, skipping shards already there.
 
     ``answers_from``: capture folders (same model and answer settings) whose answers to the
@@ -395,10 +372,13 @@ def capture_shards(model, tokenizer, cfg: CaptureConfig,
     rebuilt from them (a capture of a subset, or of another mix, of data captured before).
     ``borrowed``: what :func:`answers_of` read from them already (the command line checks
     them before the model loads), so that their files are not read twice.
+    ``stop``: asked before each shard after the first; True ends the capture there (a time
+    budget spent), leaving whole shards: a prefix of the plan, which trains as it is.
 
     Returns a summary: ``{"shards", "written", "skipped", "rebuilt", "conversations",
-    "generated_tokens", "seconds", "tokens_per_second", "too_long"}`` (tokens and seconds of
-    this run only; ``rebuilt``: shards written from their answers files, none decoded).
+    "generated_tokens", "seconds", "tokens_per_second", "too_long", "stopped"}`` (tokens and
+    seconds of this run only; ``rebuilt``: shards written from their answers files, none
+    decoded; ``stopped``: whether ``stop`` ended it).
     """
     if answers_from and borrowed is None:
         borrowed = answers_of(cfg, answers_from)  # refused before any work
@@ -414,6 +394,34 @@ def capture_shards(model, tokenizer, cfg: CaptureConfig,
         raise ValueError(f"{cfg.data} gives no conversations to capture")
     S = cfg.shard_size
     ranges = [(a, min(a + S, len(plan))) for a in range(0, len(plan), S)]
+    todo = _ranges_to_capture(cfg, tokenizer, plan, ranges, borrowed)
+    summary = {"shards": len(ranges), "written": 0, "skipped": len(ranges) - len(todo), "rebuilt": 0,
+               "conversations": 0, "generated_tokens": 0, "seconds": 0.0, "too_long": 0, "stopped": False}
+    t0 = time.perf_counter()
+    conv_done = len(plan) - sum(b - a for a, b in todo)
+    if callback:
+        callback(Progress("capture", conv_done, len(plan), {"tok/s": 0.0, "shard": None}))
+    for k, (a, b) in enumerate(todo):
+        if k and stop is not None and stop():
+            summary["stopped"] = True
+            break
+        path = _write_shard(model, tokenizer, cfg, plan, (a, b), fids, summary)
+        conv_done += b - a
+        if callback:
+            callback(Progress("capture", conv_done, len(plan), {
+                "tok/s": summary["generated_tokens"] / max(time.perf_counter() - t0, 1e-9), "shard": path.name}))
+    summary["seconds"] = time.perf_counter() - t0
+    summary["tokens_per_second"] = summary["generated_tokens"] / max(summary["seconds"], 1e-9)
+    log.info("capture %s: %d shards written (%d rebuilt from answers files), %d already there; "
+             "%d generated tokens in %.0f s (%.1f tok/s)", out, summary["written"], summary["rebuilt"],
+             summary["skipped"], summary["generated_tokens"], summary["seconds"], summary["tokens_per_second"])
+    return summary
+
+
+def _ranges_to_capture(cfg: CaptureConfig, tokenizer, plan, ranges, borrowed) -> list[tuple[int, int]]:
+    """The plan's ranges without a shard yet, those to decode first; on the way, every shard
+    without an answers file gets one, and ``borrowed`` answers theirs (:func:`_borrow_answers`)."""
+    out = Path(cfg.out_dir)
     done = {p.name for p in out.glob("shard-*.pt")}
     keep = cfg.answers == "target"  # a reference capture has no answers of the target's to keep
     for a, b in ranges:  # shards written before answers files were: give them theirs
@@ -426,39 +434,31 @@ def capture_shards(model, tokenizer, cfg: CaptureConfig,
     # Decoding first: it is the costly part that only this run can do, while a rebuild from an
     # answers file can wait (a run stopped early has then lost nothing it cannot replay).
     todo.sort(key=lambda r: keep and (out / _answers_name(*r)).exists())
-    summary = {"shards": len(ranges), "written": 0, "skipped": len(ranges) - len(todo), "rebuilt": 0,
-               "conversations": 0, "generated_tokens": 0, "seconds": 0.0, "too_long": 0}
-    t0 = time.perf_counter()
-    conv_done = sum(b - a for a, b in ranges if _shard_name(a, b) in done)
-    if callback:
-        callback(Progress("capture", conv_done, len(plan), {"tok/s": 0.0, "shard": None}))
-    for a, b in todo:
-        stats = DataStats()
-        apath = out / _answers_name(a, b)
-        given = _load_answers(apath) if keep and apath.exists() else None
-        records = _capture_range(model, tokenizer, cfg, plan, a, b, fids, stats, summary, given)
-        if given is not None:
-            summary["rebuilt"] += 1
-        elif keep:
-            _save_answers(apath, cfg, plan, records)  # first: a shard never stands without its answers
-        path = out / _shard_name(a, b)
-        tmp = path.with_name(path.name + ".tmp")
-        torch.save(records, tmp)
-        os.replace(tmp, path)  # atomic: a shard is whole or absent
-        summary["written"] += 1
-        summary["conversations"] += len(records)
-        summary["too_long"] += stats.skipped_too_long
-        conv_done += b - a
-        elapsed = time.perf_counter() - t0
-        if callback:
-            callback(Progress("capture", conv_done, len(plan), {
-                "tok/s": summary["generated_tokens"] / max(elapsed, 1e-9), "shard": path.name}))
-    summary["seconds"] = time.perf_counter() - t0
-    summary["tokens_per_second"] = summary["generated_tokens"] / max(summary["seconds"], 1e-9)
-    log.info("capture %s: %d shards written (%d rebuilt from answers files), %d already there; "
-             "%d generated tokens in %.0f s (%.1f tok/s)", out, summary["written"], summary["rebuilt"],
-             summary["skipped"], summary["generated_tokens"], summary["seconds"], summary["tokens_per_second"])
-    return summary
+    return todo
+
+
+def _write_shard(model, tokenizer, cfg: CaptureConfig, plan, rng: tuple[int, int], fids, summary: dict) -> Path:
+    """Decode (or rebuild from its answers file) the plan's range ``rng`` and write its shard,
+    answers file first; counts go to ``summary``."""
+    a, b = rng
+    out = Path(cfg.out_dir)
+    keep = cfg.answers == "target"
+    stats = DataStats()
+    apath = out / _answers_name(a, b)
+    given = _load_answers(apath) if keep and apath.exists() else None
+    records = _capture_range(model, tokenizer, cfg, plan, a, b, fids, stats, summary, given)
+    if given is not None:
+        summary["rebuilt"] += 1
+    elif keep:
+        _save_answers(apath, cfg, plan, records)  # first: a shard never stands without its answers
+    path = out / _shard_name(a, b)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(records, tmp)
+    os.replace(tmp, path)  # atomic: a shard is whole or absent
+    summary["written"] += 1
+    summary["conversations"] += len(records)
+    summary["too_long"] += stats.skipped_too_long
+    return path
 
 
 def _capture_range(model, tokenizer, cfg, plan, a, b, fids, stats, summary, given=None) -> list[dict]:
@@ -544,59 +544,3 @@ def _generate(model, tokenizer, prompts, fids, cfg: CaptureConfig, eos, temperat
     max_new = [max(1, _answer_limit(cfg, len(p))) for p in prompts]
     return generated_records(model, prompts, fids, max_new, eos, attention_backend=cfg.attention_backend,
                              temperature=temperature, seeds=seeds, options=cfg.options, tokenizer=tokenizer)
-
-
-# ---- reading ----------------------------------------------------------------------------------
-
-
-def load_shards(out_dir, eagle3: bool = True, limit: int | None = None, greedy_only: bool = False,
-                mmap: bool = True, source: str | None = None, final: bool = False) -> list[dict]:
-    """The records of a capture folder (its contiguous prefix of shards), features narrowed
-    to the layout's (EAGLE-3 fusion or EAGLE-1/2 final state; views of memory-mapped
-    files, so a capture larger than memory trains).
-
-    ``limit``: the first ``limit`` conversations (in plan order) that pass the filters.
-    ``greedy_only``: leave out sampled answers (validation of top-1 agreement).
-    ``source``: only conversations from this dataset of the mix (its name in ``data``).
-    ``final``: also hand out the final post-norm state as ``record["final"]`` (a view), from
-    which the target's logits, hence its whole next-token distribution, are recomputed
-    (soft labels); the capture must hold it (``features="both"`` or ``"eagle1"``).
-    """
-    out = Path(out_dir)
-    mpath = out / MANIFEST
-    if not mpath.exists():
-        raise FileNotFoundError(f"{out} is not a capture folder (no {MANIFEST}): run treespec capture first")
-    fids = json.loads(mpath.read_text())["feature_ids"]
-    want = [i for i in fids if i != -1] if eagle3 else [-1]
-    if not want or any(i not in fids for i in want):
-        raise ValueError(f"{out} has features {fids}: none for {'EAGLE-3' if eagle3 else 'EAGLE-1/2'} "
-                         f"(capture with features='both')")
-    first = fids.index(want[0])
-    if fids[first: first + len(want)] != want:
-        raise ValueError(f"{out}: the {want} features are not adjacent in {fids}")
-    options = json.loads(mpath.read_text()).get("options")
-    if final and options:
-        raise ValueError(f"{out} was decoded with generation options {options}: soft labels recompute the target's "
-                         f"unprocessed distribution, which is not what its answers were chosen from; train on its "
-                         f"tokens (without soft labels)")
-    if final and -1 not in fids:
-        raise ValueError(f"{out} has features {fids}, not the final state that soft labels need "
-                         f"(capture with features='both')")
-    records = []
-    for path in shard_files(out):
-        if limit is not None and len(records) >= limit:
-            break
-        for r in torch.load(path, mmap=mmap, weights_only=True):
-            if (greedy_only and r.get("sampled")) or (source is not None and r["source"].rsplit(":", 1)[0] != source):
-                continue
-            if limit is not None and len(records) >= limit:
-                break
-            H = r["features"].shape[1] // len(fids)
-            if final:
-                f = fids.index(-1)
-                r["final"] = r["features"][:, f * H: (f + 1) * H]
-            r["features"] = r["features"][:, first * H: (first + len(want)) * H]  # a view
-            records.append(r)
-    if not records:
-        raise ValueError(f"{out} holds no captured conversations yet")
-    return records

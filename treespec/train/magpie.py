@@ -378,10 +378,3 @@ def _write_gz(path: Path, rows) -> None:
             f.write((json.dumps(r, ensure_ascii=False) + "\n").encode())
     path.write_bytes(buf.getvalue())
 
-
-if __name__ == "__main__":  # the command of earlier versions: treespec make-prompts takes the same flags
-    import sys
-
-    from ..cli import main
-
-    sys.exit(main(["make-prompts", *sys.argv[1:]]))

@@ -20,8 +20,8 @@ Two ways to make them, both on a batch of conversations:
 - :func:`generated_records`: the target writes the answers through treespec's engine, with the
   features recorded on the way.
 
-Layering: ``data`` -> ``records`` -> ``capture`` -> ``trainer``; this module imports neither of
-the last two.
+Layering: ``data`` -> ``records`` -> ``shards`` -> ``capture`` -> ``trainer``; this module imports
+none of the last three.
 """
 
 from __future__ import annotations

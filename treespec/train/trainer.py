@@ -30,7 +30,7 @@ import logging
 import math
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -39,11 +39,11 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..drafters.eagle import EagleHead
-from .capture import load_shards
+from .shards import load_shards
 from .data import DataStats, read_jsonl, tokenize_example
 from .records import Progress, feature_ids, generated_records, teacher_forced_records
 
-__all__ = ["TrainConfig", "train_eagle", "capture", "Progress", "validate", "keep_freed_memory"]
+__all__ = ["TrainConfig", "train_eagle", "capture", "Progress", "validate", "keep_freed_memory", "time_train_steps"]
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +129,8 @@ def capture(model, tokenizer, cfg: TrainConfig, callback: Callable[[Progress], N
             items.append(ids[:plen])
         order = sorted(range(len(items)), key=lambda i: len(items[i]))
         bs = cfg.regen_batch_size
+        if callback:  # the bar starts with the work, so that its rate is the work's
+            callback(Progress("regenerate", 0, len(order), {}))
         for start in range(0, len(order), bs):
             batch = [items[i] for i in order[start:start + bs]]
             records.extend(_regenerate(model, batch, fids, cfg, eos))
@@ -143,6 +145,8 @@ def capture(model, tokenizer, cfg: TrainConfig, callback: Callable[[Progress], N
         if len(ids) >= 3:
             items.append((ids, plen))
     bs = cfg.capture_batch_size
+    if callback and items:
+        callback(Progress("capture", 0, len(items), {}))
     for start in range(0, len(items), bs):
         records.extend(teacher_forced_records(model, items[start:start + bs], fids, pad))
         if callback:
@@ -368,7 +372,9 @@ def _new_head(model, tokenizer, cfg: TrainConfig, records) -> tuple[EagleHead, t
     if cfg.init:
         head = _init_head(model, cfg)
     else:
-        head = EagleHead.for_target(model, eagle3=cfg.eagle3, draft_vocab_size=cfg.draft_vocab_size).float()
+        V = model.get_input_embeddings().weight.shape[0]  # a draft vocabulary no larger than the target's
+        vocab = min(cfg.draft_vocab_size, V) if cfg.draft_vocab_size else None
+        head = EagleHead.for_target(model, eagle3=cfg.eagle3, draft_vocab_size=vocab).float()
     if cfg.eagle3 and not cfg.init:
         V = head.config.vocab_size
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
@@ -431,64 +437,8 @@ def train_eagle(model, tokenizer, cfg: TrainConfig, callback: Callable[[Progress
     torch.manual_seed(cfg.seed)
     records = _training_records(model, tokenizer, cfg, out, callback)
     head, rows = _new_head(model, tokenizer, cfg, records)
-    params = [p for p in head.parameters() if p.requires_grad]
-
     train, val = _split(records, cfg)
-    steps_per_epoch = math.ceil(len(train) / cfg.batch_size)
-    total_steps = max(1, int(steps_per_epoch * cfg.epochs))
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-
-    def lr_at(step):
-        if step < cfg.warmup_steps:
-            return cfg.lr * (step + 1) / cfg.warmup_steps
-        t = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
-        return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
-
-    ckpt = out / "checkpoint.pt"
-    step = 0
-    if ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
-        head.load_state_dict(state["head"])
-        opt.load_state_dict(state["opt"])
-        step = state["step"]
-        log.info("resuming training at step %d of %d", step, total_steps)
-
-    # Batches by similar length keep padding low; shuffled once per epoch.
-    def epoch_batches(epoch):
-        r = random.Random(cfg.seed + epoch)
-        idx = sorted(train, key=lambda i: records[i]["tokens"].numel() + r.random() * 8)
-        batches = [idx[i: i + cfg.batch_size] for i in range(0, len(idx), cfg.batch_size)]
-        r.shuffle(batches)
-        return batches
-
-    device_type = next(head.parameters()).device.type
-    amp = _autocast_dtype(cfg.dtype, device_type)
-    log.info("training in %s (%d steps of %d conversations)", "bf16 autocast" if amp else "float32",
-             total_steps, cfg.batch_size)
-    head.train()
-    t0, tokens_seen = time.time(), 0
-    while step < total_steps:
-        epoch, within = divmod(step, steps_per_epoch)
-        for bidx in epoch_batches(epoch)[within:]:
-            if step >= total_steps:
-                break
-            batch = _collate(records, bidx, rows)
-            for g in opt.param_groups:
-                g["lr"] = lr_at(step)
-            with torch.autocast(device_type, dtype=amp or torch.bfloat16, enabled=amp is not None):
-                loss, accs = ttt_loss(head, batch, cfg.ttt_steps)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            opt.step()
-            step += 1
-            tokens_seen += int(batch["lengths"].sum())
-            if callback:
-                callback(Progress("train", step, total_steps, {
-                    "loss": float(loss.detach()), "acc": accs, "tok/s": tokens_seen / max(time.time() - t0, 1e-9)}))
-            if step % cfg.checkpoint_every == 0 or step == total_steps:
-                torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step,
-                            "config": asdict(cfg)}, ckpt)
+    _optimise(head, records, train, rows, cfg, out / "checkpoint.pt", callback)
     head.eval()
     if val:
         vloss, vacc = validate(head, val, cfg.ttt_steps)
@@ -497,3 +447,98 @@ def train_eagle(model, tokenizer, cfg: TrainConfig, callback: Callable[[Progress
             f"loss {float(vloss):.4f}\ntop1_by_step {' '.join(f'{a:.4f}' for a in vacc)}\n")
     head.save_pretrained(out / "head")
     return head
+
+
+def _schedule(cfg: TrainConfig, total_steps: int) -> Callable[[int], float]:
+    """The learning rate at a step: linear warm-up, then cosine decay to a tenth."""
+    def lr_at(step):
+        if step < cfg.warmup_steps:
+            return cfg.lr * (step + 1) / cfg.warmup_steps
+        t = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+        return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
+
+    return lr_at
+
+
+def _epoch_batches(records, train: list[int], cfg: TrainConfig, epoch: int) -> list[list[int]]:
+    """Batches by similar length (little padding), in an order shuffled once per epoch."""
+    r = random.Random(cfg.seed + epoch)
+    idx = sorted(train, key=lambda i: records[i]["tokens"].numel() + r.random() * 8)
+    batches = [idx[i: i + cfg.batch_size] for i in range(0, len(idx), cfg.batch_size)]
+    r.shuffle(batches)
+    return batches
+
+
+def _step(head, params, opt, batch, cfg: TrainConfig, lr: float, amp) -> tuple[torch.Tensor, list[float]]:
+    """One optimiser step on ``batch``; returns its loss and per-step accuracies."""
+    for g in opt.param_groups:
+        g["lr"] = lr
+    device_type = next(head.parameters()).device.type
+    with torch.autocast(device_type, dtype=amp or torch.bfloat16, enabled=amp is not None):
+        loss, accs = ttt_loss(head, batch, cfg.ttt_steps)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+    opt.step()
+    return loss, accs
+
+
+def _optimise(head, records, train: list[int], rows, cfg: TrainConfig, ckpt: Path, callback) -> None:
+    """Stage 3: ``cfg.epochs`` passes over the ``train`` records, resumed from ``ckpt`` and
+    saved there every ``checkpoint_every`` steps and at the end."""
+    params = [p for p in head.parameters() if p.requires_grad]
+    steps_per_epoch = math.ceil(len(train) / cfg.batch_size)
+    total_steps = max(1, int(steps_per_epoch * cfg.epochs))
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    lr_at = _schedule(cfg, total_steps)
+    step = 0
+    if ckpt.exists():
+        state = torch.load(ckpt, weights_only=False)
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["opt"])
+        step = state["step"]
+        log.info("resuming training at step %d of %d", step, total_steps)
+    amp = _autocast_dtype(cfg.dtype, next(head.parameters()).device.type)
+    log.info("training in %s (%d steps of %d conversations)", "bf16 autocast" if amp else "float32",
+             total_steps, cfg.batch_size)
+    head.train()
+    t0, tokens_seen = time.time(), 0
+    if callback and step < total_steps:
+        callback(Progress("train", step, total_steps, {}))  # the bar starts with the work
+    while step < total_steps:
+        epoch, within = divmod(step, steps_per_epoch)
+        for bidx in _epoch_batches(records, train, cfg, epoch)[within:]:
+            if step >= total_steps:
+                break
+            batch = _collate(records, bidx, rows)
+            loss, accs = _step(head, params, opt, batch, cfg, lr_at(step), amp)
+            step += 1
+            tokens_seen += int(batch["lengths"].sum())
+            if callback:
+                callback(Progress("train", step, total_steps, {
+                    "loss": float(loss.detach()), "acc": accs, "tok/s": tokens_seen / max(time.time() - t0, 1e-9)}))
+            if step % cfg.checkpoint_every == 0 or step == total_steps:
+                torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step,
+                            "config": asdict(cfg)}, ckpt)
+
+
+def time_train_steps(model, tokenizer, cfg: TrainConfig, records, steps: int = 3) -> float:
+    """Seconds one conversation takes through one training epoch here: a throwaway head is
+    trained ``steps`` optimiser steps of ``cfg.batch_size`` of ``records`` (after one untimed
+    step: the first allocates), as :func:`train_eagle` trains. For sizing a run to a budget."""
+    head, rows = _new_head(model, tokenizer, replace(cfg, init=None), records)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    amp = _autocast_dtype(cfg.dtype, next(head.parameters()).device.type)
+    idx = sorted(range(len(records)), key=lambda i: records[i]["tokens"].numel())
+    batches = [idx[i: i + cfg.batch_size] for i in range(0, len(idx), cfg.batch_size)]
+    head.train()
+    seconds = conversations = 0.0
+    for k in range(steps + 1):
+        batch = batches[k % len(batches)]
+        t0 = time.perf_counter()
+        _step(head, params, opt, _collate(records, batch, rows), cfg, cfg.lr, amp)
+        if k:
+            seconds += time.perf_counter() - t0
+            conversations += len(batch)
+    return seconds / conversations
