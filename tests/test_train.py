@@ -283,3 +283,39 @@ def test_progress_lines_off_a_terminal_come_every_tenth_with_the_time_left():
     assert len(lines) == 12  # the line, then 0%, 10%, ..., 100%
     assert lines[1] == "treespec: answers: 0/40 convs (0%), about 10 min left in all"
     assert lines[-1] == "treespec: answers: 40/40 convs (100%), about 9 min left in all"
+
+
+# ---- a model without a head ---------------------------------------------------------------------
+
+
+def test_a_model_without_a_head_drafts_by_prompt_lookup_with_a_notice(capsys, monkeypatch, chat_lm_dir, tmp_path):
+    """Issue 50: with another model, the default draft (the shipped head, made for SmolLM2) made
+    generate, chat and bench exit 2; they now draft by prompt lookup and say so in one line,
+    naming train-eagle. A head asked for by name still fails, with its advice."""
+    import io
+
+    from treespec.cli import main
+
+    notice = f"treespec: {chat_lm_dir} has no EAGLE head: drafting by prompt lookup (--draft ngram); train one with: " \
+             f"treespec train-eagle --model {chat_lm_dir} --out DIR (docs/own-model.md)"
+    flags = ["--model", str(chat_lm_dir), "--max-new-tokens", "6", "--threads", "1"]
+    assert main(["generate", *flags, "--chat", "Once upon a time"]) == 0
+    out, err = capsys.readouterr()
+    assert err.splitlines().count(notice) == 1 and "(draft ngram, tree auto" in err
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("Once upon a time\n"))
+    assert main(["chat", *flags]) == 0
+    assert capsys.readouterr().err.splitlines().count(notice) == 1
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Once upon a time"}) + "\n")
+    assert main(["bench", *flags, "--dataset", str(prompts), "--num-prompts", "1", "--no-hf-lookup",
+                 "--no-treespec-ar", "--out", str(tmp_path / "bench.json")]) == 0
+    out, err = capsys.readouterr()
+    assert err.splitlines().count(notice) == 1
+    names = [c["name"] for c in json.loads((tmp_path / "bench.json").read_text())["configs"]]
+    assert names.count("ngram/auto") == 1 and "ngram/chain-3" in names  # both default drafts fell back to one
+
+    assert main(["generate", *flags, "--chat", "Hi", "--draft", "smollm2-135m-instruct-eagle"]) == 2
+    err = capsys.readouterr().err
+    assert notice not in err and "is an EAGLE head for another model" in err and "treespec train-eagle" in err

@@ -171,7 +171,8 @@ def _configs(args, loaded, pairs: list[tuple[str, str]], trees: dict) -> list:
     for d, t in pairs:
         drafter, dname = loaded.drafters[d]
         cfg, tname = trees[t]
-        configs.append(BenchConfig.treespec(drafter, cfg, dname, tname, fast=fast))
+        if not any(c.drafter is drafter and c.tree_name == tname for c in configs):  # both default drafts may
+            configs.append(BenchConfig.treespec(drafter, cfg, dname, tname, fast=fast))  # fall back to one
     return configs
 
 

@@ -3,7 +3,7 @@ treespec's engine) and its features are kept in resumable shards, for ``train-ea
 
 from __future__ import annotations
 
-from .common import Bars, UserError, add_generation_options, add_model, add_runtime, generation_options
+from .common import UserError, add_generation_options, add_model, add_runtime, generation_options
 
 
 def add_arguments(p):
@@ -40,6 +40,7 @@ def add_arguments(p):
 
 def run(args):
     from .loading import check, load
+    from .train_progress import TrainReport
 
     check(args)
     from ..train.capture import CaptureConfig, answers_of, capture_shards
@@ -57,7 +58,7 @@ def run(args):
     except ValueError as e:
         raise UserError(f"capture: {e}") from None
     loaded = load(args)
-    bars = Bars("conv", postfix=lambda p: f"gen_tok_s={p.info['tok/s']:.1f}")
+    bars = TrainReport()  # a bar on a terminal, else a line every tenth (a capture runs for hours)
     with loaded.packed():
         s = capture_shards(loaded.model, loaded.tokenizer, cfg, callback=bars,
                            answers_from=sources, borrowed=borrowed)

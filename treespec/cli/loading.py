@@ -12,11 +12,13 @@ the package docstring) are read by :mod:`.specs`.
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from .common import Bars, UserError, auto_profile, check_early, generation_options, log, sampling
+from .common import (DEFAULT_DRAFT, DEFAULT_SPEC, Bars, UserError, auto_profile, check_early, generation_options, log,
+                     sampling)
 from .specs import LOOKUP_SUFFIX, check_draft_spec, tree
 
 __all__ = ["LOOKUP_SUFFIX", "check_draft_spec", "tree", "check", "stream_options", "load", "load_model", "drafter",
@@ -143,10 +145,38 @@ def drafter(spec: str, model, tokenizer, backend: str, cuda_graphs: bool = False
             d = load_draft(spec, model, attention_backend=backend, cuda_graphs=cuda_graphs)
             d.check_compatible(model)
         except ValueError as e:  # a head made for another model (vocabulary, hidden size)
-            raise UserError(f"{e}: --draft {spec} is an EAGLE head for another model. Use --draft ngram (prompt "
-                            "lookup, no model), --draft layers:K (the target's first K layers) or a head trained "
-                            "for this model: treespec train-eagle --model ... --data gsm8k-train --out DIR") from None
+            raise HeadForAnotherModel(
+                f"{e}: --draft {spec} is an EAGLE head for another model. Use --draft ngram (prompt lookup, no "
+                "model), --draft layers:K (the target's first K layers) or a head trained for this model: treespec "
+                "train-eagle --model ... --out DIR (the model writes its own training data: docs/own-model.md)") from None
     return d, name
+
+
+class HeadForAnotherModel(UserError):
+    """The draft is an EAGLE head whose shapes or vocabulary are another model's."""
+
+
+def _drafters(args, specs: Iterable[str], model, tok, graphs: bool) -> dict:
+    """:func:`drafter` of each spec, except that the default draft (the shipped head, not asked
+    for with --draft or --config) on a model it was not made for falls back to prompt lookup,
+    said in one line: a first run with one's own model runs, and names the way to a head."""
+    out, fallback = {}, None
+    for spec in dict.fromkeys(specs):
+        try:
+            out[spec] = drafter(spec, model, tok, args.backend, graphs)
+        except HeadForAnotherModel:
+            given = any(a.split("=")[0] in ("--draft", "--config") for a in getattr(args, "argv", ()))
+            if spec not in (DEFAULT_SPEC, DEFAULT_DRAFT) or given:
+                raise
+            if fallback is None:  # one drafter for both defaults: bench runs it once per tree
+                from ..drafters import NgramDrafter
+
+                fallback = NgramDrafter(), "ngram"
+                print(f"treespec: {args.model} has no EAGLE head: drafting by prompt lookup (--draft ngram); train "
+                      f"one with: treespec train-eagle --model {args.model} --out DIR (docs/own-model.md)",
+                      file=sys.stderr, flush=True)
+            out[spec] = fallback
+    return out
 
 
 def setup_threads(args, warn: bool = True) -> str | None:
@@ -222,6 +252,6 @@ def load(args, drafts: Iterable[str] = (), prompts: Callable | None = None, keep
     graphs = getattr(args, "cuda_graphs", False)
     if graphs and next(model.parameters()).device.type != "cuda":
         raise UserError("--cuda-graphs needs the model on a CUDA GPU (--device cuda)")
-    out.drafters = {d: drafter(d, model, tok, args.backend, graphs) for d in dict.fromkeys(drafts)}
+    out.drafters = _drafters(args, drafts, model, tok, graphs)
     out.fast, out.packing = fast_path(args, model, [d for d, _ in out.drafters.values()], keep=keep_packed)
     return out

@@ -1,4 +1,4 @@
-"""train-eagle's progress on stderr: the lines the run says (a stage begun, skipped or done,
+"""train-eagle's and capture's progress on stderr: the lines the run says (a stage begun, skipped or done,
 the plan), and each stage's progress as a bar on a terminal, else as a line every tenth of the
 stage, both with the time the whole run has left where the run estimates it."""
 
@@ -17,12 +17,13 @@ def left_text(seconds: float) -> str:
     return f"about {format_duration(seconds)} left in all"
 
 
-def train_figures(info: dict) -> str:
-    """The trainer's figures after a train report: loss, accuracy by step, tokens/s."""
-    if "loss" not in info:
-        return ""
-    return (f"loss={info['loss']:.3f}, acc={','.join(f'{a:.2f}' for a in info['acc'])}, "
-            f"tok_s={info['tok/s']:.0f}")
+def figures(info: dict) -> str:
+    """A report's figures: the trainer's loss, accuracy by step and tokens/s; a capture's
+    generated tokens/s."""
+    if "loss" in info:
+        return (f"loss={info['loss']:.3f}, acc={','.join(f'{a:.2f}' for a in info['acc'])}, "
+                f"tok_s={info['tok/s']:.0f}")
+    return f"gen_tok_s={info['tok/s']:.1f}" if info.get("tok/s") else ""
 
 
 class TrainReport:
@@ -43,7 +44,7 @@ class TrainReport:
             return
         if not p.total:
             return
-        text = ", ".join(t for t in (train_figures(p.info), left_text(p.info["left"]) if "left" in p.info else "")
+        text = ", ".join(t for t in (figures(p.info), left_text(p.info["left"]) if "left" in p.info else "")
                          if t)
         if self.tty:
             self._bar(p, text)
