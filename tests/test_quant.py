@@ -135,35 +135,45 @@ def test_quantized_on_load_within_half_a_step(dtype, group):
 # ---- GGUF blocks ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def q4_k_blocks(rng, rows: int, supers: int) -> np.ndarray:
+    """Random Q4_K super-blocks [rows, supers * 144] (gguf cannot quantize to Q4_K): any bits are
+    a valid block once d and dmin are finite float16s."""
+    raw = rng.integers(0, 256, (rows, supers, 144), dtype=np.uint8)
+    for i, (lo, hi) in ((0, (1e-4, 0.05)), (2, (1e-4, 0.02))):
+        raw[..., i:i + 2] = rng.uniform(lo, hi, (rows, supers, 1)).astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
 def test_gguf_blocks_decode_to_the_files_weights(kind):
     """Codes, scales and zeros that the int4 kernel's formula turns into exactly what
-    ``gguf.quants.dequantize`` reads from the blocks (Q4_1: up to one fp32 rounding of m + 8d)."""
+    ``gguf.quants.dequantize`` reads from the blocks (Q4_1, Q4_K: up to one fp32 rounding of the
+    zero)."""
     import gguf
 
     qtype = gguf.GGMLQuantizationType[kind]
     rng = np.random.default_rng(0)
-    dense = (rng.standard_normal((40, 128)) * rng.uniform(0.01, 3, (40, 1))).astype(np.float32)
+    dense = (rng.standard_normal((40, 512)) * rng.uniform(0.01, 3, (40, 1))).astype(np.float32)
     dense[3, :32] = 0.25  # a flat block: scale 0
-    raw = gguf.quants.quantize(dense, qtype)
-    file = gguf.quants.dequantize(raw, qtype)  # [40, 128] float32
+    raw = q4_k_blocks(rng, 40, 2) if kind == "Q4_K" else gguf.quants.quantize(dense, qtype)
+    file = gguf.quants.dequantize(raw, qtype)  # [40, 512] float32
     codes, scale, zero, copies = decode_blocks(raw, kind)
-    assert copies == (2 if kind == "Q8_0" else 1) and codes.shape == (40, 128 * copies)
+    assert copies == (2 if kind == "Q8_0" else 1) and codes.shape == (40, 512 * copies)
     assert int(codes.min()) >= 0 and int(codes.max()) <= 15
     s, z = scale.numpy().repeat(32, 1), zero.numpy().repeat(32, 1)
-    mine = ((codes.numpy().astype(np.float32) - 8) * s + z).reshape(40, copies, 128).sum(1)
-    if kind == "Q4_1":
+    mine = ((codes.numpy().astype(np.float32) - 8) * s + z).reshape(40, copies, 512).sum(1)
+    if kind in ("Q4_1", "Q4_K"):
         np.testing.assert_allclose(mine, file, rtol=0, atol=2.0 ** -22 * np.abs(z).max())
     else:
         np.testing.assert_array_equal(mine, file)
     for dtype in DTYPES:  # and through the kernel: F.linear on the file's weights
         module = Int4Linear(codes, scale, zero, 32, copies=copies, dtype=dtype)
         if dtype == torch.float32:
-            assert_linear_close(module, torch.from_numpy(file), torch.randn(3, 128), dtype)
+            assert_linear_close(module, torch.from_numpy(file), torch.randn(3, 512), dtype)
         else:  # against the same blocks with scale and zero rounded to bf16, as stored
             w = ((codes.float() - 8) * rounded(scale, dtype).repeat_interleave(32, 1)
-                 + rounded(zero, dtype).repeat_interleave(32, 1)).view(40, copies, 128).sum(1)
-            assert_linear_close(module, w, torch.randn(3, 128), dtype)
+                 + rounded(zero, dtype).repeat_interleave(32, 1)).view(40, copies, 512).sum(1)
+            assert_linear_close(module, w, torch.randn(3, 512), dtype)
 
 
 STORIES = stories260k_gguf()
@@ -265,7 +275,7 @@ def test_gguf_weights_need_blocks_and_a_gguf(tmp_path):
     with pytest.raises(ValueError, match="one of"):
         load(tmp_path, weights="int3")
     if STORIES is not None:  # all F32: nothing to run on the kernels
-        with pytest.raises(ValueError, match="holds no linear weights in Q4_0, Q4_1, Q8_0 blocks"):
+        with pytest.raises(ValueError, match="holds no linear weights in Q4_0, Q4_1, Q4_K, Q8_0 blocks"):
             load(STORIES, weights="gguf")
 
 

@@ -118,7 +118,7 @@ def add_runtime(p, *, device: str = "auto", dtype: str = "auto", pack: bool | No
                         + here(dtype, "auto"))
     p.add_argument("--weights", choices=["dense", "gguf", "int4", "int8"], default="dense",
                    help="the target's linear layers: dense (in --dtype, the default); gguf, on the GGUF file's own "
-                        "Q4_0/Q4_1/Q8_0 blocks (a .gguf model or a named one, as the default model is: exact to "
+                        "Q4_0/Q4_1/Q4_K/Q8_0 blocks (a .gguf model or a named one, as the default model is: exact to "
                         "the file's weights up to --dtype's rounding of their scales); int4 (groups of 32) or int8 "
                         "(a scale a row), quantized on load. Not dense: torch's CPU kernels, bfloat16 the fast "
                         "--dtype, the output head dense, and the output that of the model so quantized "

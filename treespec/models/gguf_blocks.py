@@ -2,23 +2,30 @@
 
     summary = gguf_linears(model, "SmolLM2-135M-Instruct.Q4_1.gguf")   # in place: 210 Q4_1 linears
 
-Each block holds 32 weights of one row (llama.cpp's ``ggml-common.h``; ``d``, ``m`` float16):
+Each block holds 32 weights of one row (Q4_K: 256; llama.cpp's ``ggml-common.h``; ``d``, ``m``
+float16):
 
-====  =====================================  ===============================================
-type  block                                  as the int4 kernel's ``(c - 8) * scale + zero``
-====  =====================================  ===============================================
-Q4_0  d, 16 bytes of nibbles: ``(q - 8) d``  c = q, scale d, zero 0
-Q4_1  d, m, 16 bytes: ``q d + m``            c = q, scale d, zero m + 8d
-Q8_0  d, 32 int8: ``q d``                    q = 16 h + l (h in -8..7, l in 0..15): two groups,
-                                             c = h + 8 with scale 16d, zero 0, and c = l with
-                                             scale d, zero 8d; the input is read twice
-====  =====================================  ===============================================
+====  ======================================  =================================================
+type  block                                   as the int4 kernel's ``(c - 8) * scale + zero``
+====  ======================================  =================================================
+Q4_0  d, 16 bytes of nibbles: ``(q - 8) d``   c = q, scale d, zero 0
+Q4_1  d, m, 16 bytes: ``q d + m``             c = q, scale d, zero m + 8d
+Q4_K  256 weights: d, dmin, eight 6-bit       c = q, scale d sc_j, zero 8 d sc_j - dmin m_j
+      scales sc_j and mins m_j, 128 bytes:    for each group j of 32
+      ``d sc_j q - dmin m_j``
+Q8_0  d, 32 int8: ``q d``                     q = 16 h + l (h in -8..7, l in 0..15): two groups,
+                                              c = h + 8 with scale 16d, zero 0, and c = l with
+                                              scale d, zero 8d; the input is read twice
+====  ======================================  =================================================
 
-All three are exact in the kernel's arithmetic: in fp32 the weights equal the file's
-dequantized ones (``gguf.quants.dequantize``) up to one rounding of ``m + 8d``; in bf16 the
+All four are exact in the kernel's arithmetic: in fp32 the weights equal the file's
+dequantized ones (``gguf.quants.dequantize``) up to one rounding of the zero; in bf16 the
 scales and zeros are rounded to bf16, as a dense bf16 model rounds each weight. (Q8_0 cannot go
 through the int8 kernel exactly: that takes one scale a row, where Q8_0 has one per 32 weights.)
-Nibbles: byte ``j`` of a 4-bit block holds weight ``j`` in its low half and ``j + 16`` in its high.
+Nibbles: byte ``j`` of a 4-bit block holds weight ``j`` in its low half and ``j + 16`` in its high
+(Q4_K: of each 32 bytes, weights ``j`` and ``j + 32`` of a 64-weight chunk). Other types (Q5,
+Q6_K with its groups of 16, ...) stay dense. A Q4_K_M file stores some tensors as Q6_K: those
+layers stay dense.
 
 The rows of ``attn_q`` and ``attn_k`` are in llama.cpp's interleaved rotary order
 (:func:`.gguf_reader.unpermute_qk`): codes, scales and zeros are reordered alike, row for row.
@@ -42,7 +49,7 @@ __all__ = ["BLOCK_TYPES", "decode_blocks", "gguf_linears"]
 log = logging.getLogger(__name__)
 
 BLOCK = 32  # weights a block, every type here
-BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+BLOCK_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
 
 
 def _halves(raw: np.ndarray, rows: int) -> tuple[np.ndarray, ...]:
@@ -53,6 +60,22 @@ def _halves(raw: np.ndarray, rows: int) -> tuple[np.ndarray, ...]:
 def _nibbles(qs: np.ndarray, rows: int) -> np.ndarray:
     """[rows, blocks, 16] bytes -> [rows, blocks * 32] codes 0..15 (low halves first, as ggml)."""
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, -1)
+
+
+def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K super-blocks [N, S, 144] -> codes [N, S * 256], scale and zero [N, S * 8]: eight groups of
+    32 a super-block, ``w = d * sc_j * q - dmin * m_j`` (``sc_j``, ``m_j`` 6-bit, packed in 12 bytes
+    as ``gguf.quants.Q4_K.get_scale_min`` reads them); ``d * sc_j`` is exact in fp32."""
+    from gguf.quants import Q4_K
+
+    rows, supers = blocks.shape[:2]
+    d, dmin = (np.ascontiguousarray(blocks[..., i:i + 2]).view(np.float16).astype(np.float32) for i in (0, 2))
+    sc, m = Q4_K.get_scale_min(np.ascontiguousarray(blocks[..., 4:16]).reshape(rows * supers, 12))
+    scale = d * sc.reshape(rows, supers, 8).astype(np.float32)  # [N, S, 8]
+    zero = 8 * scale - dmin * m.reshape(rows, supers, 8).astype(np.float32)
+    qs = blocks[..., 16:].reshape(rows, supers, 4, 1, 32)  # 64 weights a chunk: low halves, then high
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=3).reshape(rows, -1)
+    return codes, scale.reshape(rows, -1), zero.reshape(rows, -1)
 
 
 def decode_blocks(raw: np.ndarray, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -78,6 +101,9 @@ def decode_blocks(raw: np.ndarray, kind: str) -> tuple[torch.Tensor, torch.Tenso
         scale = np.concatenate([16 * d, d], axis=1)
         zero = np.concatenate([np.zeros_like(d), 8 * d], axis=1)
         copies = 2
+    elif kind == "Q4_K":
+        codes, scale, zero = _q4_k(raw.reshape(rows, -1, 144))
+        copies = 1
     elif kind in ("Q4_0", "Q4_1"):
         size = 18 if kind == "Q4_0" else 20
         blocks = raw.reshape(rows, -1, size)
@@ -118,7 +144,7 @@ def _int4_linear(tensor, kind: str, linear: nn.Linear, heads: int | None, dtype:
 
 def gguf_linears(model: nn.Module, path: str | os.PathLike, head: bool = False) -> Quantized:
     """Swap ``model``'s linear layers, in place, for :class:`~.quant.Int4Linear` layers on the
-    GGUF file's own blocks wherever the file stores them as Q4_0, Q4_1 or Q8_0; other layers
+    GGUF file's own blocks wherever the file stores them as Q4_0, Q4_1, Q4_K or Q8_0; other layers
     (F32, F16, other block types) stay dense, as the model holds them. The output head is
     swapped only with ``head`` (see :func:`~.quant.quantize_linears`).
 

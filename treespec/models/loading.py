@@ -79,7 +79,7 @@ def load(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
     Raises :class:`ModelUnavailableError` when the files cannot be found or fetched.
 
     ``weights`` (:data:`~.quant.WEIGHTS`): ``"dense"``, every weight in ``dtype``; ``"gguf"``, the
-    linear layers on the GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks (a ``.gguf`` path or a named
+    linear layers on the GGUF file's own Q4_0 / Q4_1 / Q4_K / Q8_0 blocks (a ``.gguf`` path or a named
     model, which is one; :func:`~.gguf_blocks.gguf_linears`); ``"int4"`` or ``"int8"``, quantized
     on load (:func:`~.quant.quantize_linears`). Quantized weights run on torch's CPU kernels, the
     output head stays dense, and ``dtype`` is the activations' (bfloat16 is the fast one).
