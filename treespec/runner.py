@@ -64,10 +64,20 @@ class ModelRunner:
         feature_layers: target features to capture: layer indices (the hidden state
                         entering that decoder layer) and/or :data:`FINAL_NORM`; concatenated
                         in the order given.
+        fixed_shapes:   how the decoding loop runs its verify forward: False, :meth:`forward`
+                        on the tree's own shapes; True, on fixed shapes
+                        (:class:`~treespec.fixed_shape.FixedShapeVerify`, eager); ``"compile"``,
+                        the same through ``torch.compile``.
     """
 
-    def __init__(self, model, backend="auto", feature_layers: Sequence[int] | None = None):
+    def __init__(self, model, backend="auto", feature_layers: Sequence[int] | None = None,
+                 fixed_shapes: bool | str = False):
         check_supported(model)
+        if not (fixed_shapes is False or fixed_shapes is True or fixed_shapes == "compile"):
+            raise ValueError(f"fixed_shapes must be False (the verify forward on the tree's own shapes), True (on "
+                             f"fixed shapes, eager) or 'compile' (on fixed shapes, through torch.compile), got "
+                             f"{fixed_shapes!r}")
+        self.fixed_shapes = fixed_shapes
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype

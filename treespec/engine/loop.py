@@ -5,7 +5,8 @@ Read top to bottom, this module is one step in order: :class:`Request` (one reco
 row, as vLLM's ``CachedRequestState``), :func:`decode` (the loop, one call per stage), then the
 stages as the loop calls them: ``_prefill`` (each prompt through the target, its first token);
 ``_draft_limits`` and ``_draft`` (propose, prune to the options' rules and to the budget, size
-with ``auto``); ``_tree_forward`` (the target's logits at every node); ``_verify`` (each
+with ``auto``); ``_tree_forward`` (the target's logits at every node, on fixed shapes when the
+runner asks); ``_verify`` (each
 request's verdict, ``treespec/accept.py``'s rule); ``_commit`` (the tokens and K/V kept);
 ``_finish`` (requests that ended let go). Last, the small machinery the loop holds: the prefix
 cache's use, the ``auto`` controller (a no-op one for a fixed tree, so both make the same
@@ -28,6 +29,7 @@ from ..accept import RequestDecoding, Verdict, accept, target_choices
 from ..auto import AutoController, AutoProfile
 from ..constraints import DraftRules
 from ..drafters.base import DraftStart, Drafter
+from ..fixed_shape import FixedShapeVerify, fixed_row_tokens
 from ..mask import causal_mask
 from ..prefix_cache import PrefixCache, PrefixUse
 from ..runner import ModelRunner
@@ -102,8 +104,13 @@ def decode(run: Run) -> Iterator[StepOutput]:
         timer = _StepTimer(metrics)
         # One row of the cache per request, each long enough for the longest: a batch's K/V
         # are then read as a view of the cache, not gathered (PagedKVCache.add_sequences).
-        row_tokens = max(len(p) for p in run.prompts) + run.max_new_tokens + max_nodes + 1
+        longest = max(len(p) for p in run.prompts) + run.max_new_tokens
+        row_tokens = (fixed_row_tokens(longest, max_nodes + 1, runner.fixed_shapes) if runner.fixed_shapes
+                      else longest + max_nodes + 1)
         cache, cache_seqs = runner.new_rows_cache(B, row_tokens, run.page_size)
+        # The verify forward on fixed shapes, when asked: its buffers live as long as the rows.
+        fixed = (FixedShapeVerify(runner, cache, cache_seqs, compile=runner.fixed_shapes == "compile")
+                 if runner.fixed_shapes else None)
         rows = [Request(b, list(p), d, s) for b, (p, d, s) in enumerate(zip(run.prompts, run.decodings, cache_seqs))]
         with timer("prefill"):
             features, scores = _prefill(run, rows, cache, prefix_use)
@@ -127,7 +134,7 @@ def decode(run: Run) -> Iterator[StepOutput]:
             with timer("draft"):
                 trees = _draft(run, session, auto, timer, active, limits)
             with timer("verify"):
-                out = _tree_forward(runner, cache, active, trees, cached)
+                out = _tree_forward(runner, fixed, cache, active, trees, cached)
                 verdicts, scores = _verify(trees, out.logits, active, run.output_scores)
                 tokens, kept, scores = _commit(run, active, verdicts, out.features, scores, cache)
                 prefix_use.record(ids, cached, kept)
@@ -202,9 +209,13 @@ def _draft(run: Run, session, auto, timer: _StepTimer, active: list[Request],
     return trees
 
 
-def _tree_forward(runner: ModelRunner, cache, active: list[Request], trees: list[Tree], cached: list[int]):
+def _tree_forward(runner: ModelRunner, fixed: FixedShapeVerify | None, cache, active: list[Request],
+                  trees: list[Tree], cached: list[int]):
     """The target's logits (and features) at every node of every request's tree, in one
-    forward over the committed K/V (``cached[i]`` tokens of request i)."""
+    forward over the committed K/V (``cached[i]`` tokens of request i): on fixed shapes when
+    ``fixed`` is given (the trees padded to a bucket, ``treespec/fixed_shape.py``)."""
+    if fixed is not None:
+        return fixed.forward([r.cache_seq for r in active], trees, cached, capture=bool(runner.feature_layers))
     return runner.forward(
         cache, [r.cache_seq for r in active], [t.tokens for t in trees],
         [t.position_ids(L) for t, L in zip(trees, cached)], [t.attention_mask() for t in trees],

@@ -98,6 +98,12 @@ class GenerationOptions:
         for the target and the drafter, and each request's prompt and output are filed when it
         ends. The output is the same with or without it; ``RequestMetrics.hit_tokens`` counts
         what it served (docs/runtime.md, "Prefix caching").""")
+    fixed_shapes: bool | str = _option(False, """
+        the verify forward on fixed shapes: each step's trees padded to a bucket of 4, 8, 16, 32
+        or 64 tokens, read from buffers that live as long as the request's cache row, each layer
+        attending over the row's whole length (docs/runtime.md, "Fixed-shape verify");
+        ``"compile"``: the same through ``torch.compile``, once per bucket (seconds to minutes
+        each). The tokens are those of the default, False (each step's own shapes).""")
 
     @classmethod
     def split(cls, caller: str, keywords: dict) -> tuple["GenerationOptions", dict]:

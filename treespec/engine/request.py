@@ -101,7 +101,8 @@ def describe_run(model, draft, tree_cfg, input_ids, options: GenerationOptions, 
             "decoding mode (all temperatures 0 or all > 0), or use a fixed tree"
         )
     drafter.check_compatible(model)
-    runner = ModelRunner(model, o.attention_backend, feature_layers=drafter.features_for(model))
+    runner = ModelRunner(model, o.attention_backend, feature_layers=drafter.features_for(model),
+                         fixed_shapes=o.fixed_shapes)
     vocab = runner.vocab_size
     for p in prompts:
         bad = [t for t in p if not 0 <= t < vocab]

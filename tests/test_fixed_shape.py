@@ -1,0 +1,293 @@
+"""The verify forward on fixed shapes (issues 47 and 48) gives what today's forward gives.
+
+- Logits and features of one forward equal today's path's (fp32, tight tolerance): hypothesis
+  over random trees, prefix lengths, buckets, batches with finished rows and four families,
+  sliding windows included; the forward ran on fixed shapes (no fallback) and wrote nothing
+  but its own tree's slots and scratch; a tree past the largest bucket falls back.
+- ``generate(..., fixed_shapes=True)`` gives exactly the tokens of today's path and of HF
+  generate (greedy, each drafter kind, batches), the same tokens when sampled with a seed, and
+  after a prefix-cache hit.
+- Compiled (``torch.compile``, inductor, ``dynamic=False``): one graph per bucket, none more as
+  the prefix grows, logits equal to the eager ones.
+
+Targets are tiny (V = 64); fp32, one thread.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import treespec
+from test_prefix_cache import pair
+from tiny import tiny_model
+from treespec import PrefixCache, Tree
+from treespec.fixed_shape import BUCKETS, FixedShapeVerify, bucket_for, fixed_row_tokens, tree_rows_mask
+from treespec.mask import causal_mask
+from treespec.runner import FINAL_NORM, ModelRunner
+
+V = 64
+ATOL = 1e-4
+SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow,
+                                                                        HealthCheck.data_too_large])
+pytestmark = pytest.mark.filterwarnings("ignore:the model accepted none")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    yield
+
+
+@functools.lru_cache(maxsize=None)
+def model_of(family: str, seed: int = 0, **extra):
+    return tiny_model(family, seed, **extra)
+
+
+@st.composite
+def trees(draw, max_nodes: int):
+    """A random tree of 1..max_nodes nodes (root included) with distinct sibling tokens."""
+    n = draw(st.integers(1, max_nodes))
+    parents = [-1] + [draw(st.integers(max(0, i - 4), i - 1)) for i in range(1, n)]
+    tokens, used = [], {}
+    for p in parents:
+        t = draw(st.integers(0, V - 1))
+        sib = used.setdefault(p, set())
+        while t in sib:
+            t = (t + 1) % V
+        sib.add(t)
+        tokens.append(t)
+    return Tree(parents, tokens)
+
+
+def both_forwards(model, prompts, tree_list, active=None, buckets=BUCKETS, features=(0, FINAL_NORM)):
+    """Today's forward and the fixed-shape one of ``tree_list`` (one per active row, after each
+    row's prompt) on two copies of one prefilled cache. Returns both outputs, the verifier and
+    the two caches' K/V."""
+    active = list(range(len(prompts))) if active is None else active
+    runner = ModelRunner(model, "torch", feature_layers=list(features))
+    rows = fixed_row_tokens(max(map(len, prompts)), max(t.num_nodes for t in tree_list), True)
+    outs, kvs = [], []
+    for fixed in (False, True):
+        cache, seqs = runner.new_rows_cache(len(prompts), rows, 4)
+        with runner.attached():
+            runner.forward(cache, seqs, [torch.tensor(p) for p in prompts], [torch.arange(len(p)) for p in prompts],
+                           [causal_mask(len(p)) for p in prompts], logits_rows=[[len(p) - 1] for p in prompts])
+            for s, p in zip(seqs, prompts):
+                cache.commit(s, torch.arange(len(p)))
+            act, cached = [seqs[i] for i in active], [len(prompts[i]) for i in active]
+            if fixed:
+                verify = FixedShapeVerify(runner, cache, seqs, buckets=buckets)
+                outs.append(verify.forward(act, tree_list, cached, capture=bool(features)))
+            else:
+                outs.append(runner.forward(cache, act, [t.tokens for t in tree_list],
+                                           [t.position_ids(L) for t, L in zip(tree_list, cached)],
+                                           [t.attention_mask() for t in tree_list], capture=bool(features)))
+        kvs.append(cache._kv.clone())
+    return outs[0], outs[1], verify, kvs
+
+
+def assert_same_outputs(want, got):
+    for a, b in zip(want.logits, got.logits):
+        assert a.shape == b.shape and (a - b).abs().max() < ATOL, (a - b).abs().max()
+    if want.features is not None:
+        for a, b in zip(want.features, got.features):
+            assert a.shape == b.shape and (a - b).abs().max() < ATOL
+
+
+# ---- one forward ------------------------------------------------------------------------------
+
+
+@st.composite
+def batches(draw):
+    bucket = draw(st.sampled_from(BUCKETS))
+    rows = draw(st.integers(1, 3))
+    prompts = [draw(st.lists(st.integers(0, V - 1), min_size=1, max_size=30)) for _ in range(rows)]
+    active = draw(st.lists(st.sampled_from(range(rows)), min_size=1, max_size=rows, unique=True).map(sorted))
+    tree_list = [draw(trees(bucket)) for _ in active]
+    return dict(family=draw(st.sampled_from(["llama", "qwen2", "qwen3", "mistral"])), prompts=prompts,
+                active=active, trees=tree_list, bucket=bucket)
+
+
+@settings(max_examples=30, **SETTINGS)
+@given(b=batches())
+def test_logits_and_features_equal_todays_forward(b):
+    model = model_of(b["family"])
+    want, got, verify, (kv_want, kv_got) = both_forwards(model, b["prompts"], b["trees"], b["active"])
+    assert (verify.fixed_forwards, verify.fallbacks) == (1, 0)
+    assert_same_outputs(want, got)
+    # Every committed prefix is untouched, and each tree's K/V where today's path wrote them.
+    R, C = verify.attention.rows, verify.capacity
+    flat_want, flat_got = (kv.view(2, kv.shape[1], -1, *kv.shape[-2:]) for kv in (kv_want, kv_got))
+    first = verify.attention.first
+    for i, (r, t) in enumerate(zip(b["active"], b["trees"])):
+        seen = slice(first + r * C, first + r * C + len(b["prompts"][r]) + t.num_nodes)
+        assert (flat_want[:, :, seen] - flat_got[:, :, seen]).abs().max() < ATOL
+
+
+@settings(max_examples=10, **SETTINGS)
+@given(prompt=st.lists(st.integers(0, V - 1), min_size=1, max_size=12), tree=trees(16),
+       family=st.sampled_from(["mistral", "qwen2"]))
+def test_sliding_windows_equal_todays_forward(prompt, tree, family):
+    """Mistral with a 4-token window, Qwen2 with a full layer then a windowed one."""
+    extra = dict(sliding_window=4) if family == "mistral" else dict(use_sliding_window=True, sliding_window=4,
+                                                                     max_window_layers=1)
+    want, got, verify, _ = both_forwards(model_of(family, 0, **extra), [prompt], [tree])
+    assert verify.fixed_forwards == 1
+    assert_same_outputs(want, got)
+
+
+def test_the_smallest_bucket_that_holds_the_tree_runs():
+    assert [bucket_for(n) for n in (1, 4, 5, 16, 17, 64, 65)] == [4, 4, 8, 16, 32, 64, None]
+    prompt, tree = [3, 1, 4], Tree.chain(5, [1, 2, 3, 4, 5, 6])  # 6 tokens: bucket 8
+    _, got, verify, _ = both_forwards(model_of("llama"), [prompt], [tree])
+    assert list(verify._buffers) == [8]
+
+
+def test_a_tree_past_the_largest_bucket_runs_todays_forward():
+    tree = Tree.chain(9, list(range(1, 11)))  # 10 tokens, buckets of at most 8
+    want, got, verify, _ = both_forwards(model_of("llama"), [[1, 2]], [tree], buckets=(4, 8))
+    assert (verify.fixed_forwards, verify.fallbacks) == (0, 1)
+    assert_same_outputs(want, got)
+
+
+def test_mask_by_hand():
+    """Row 0: 2 committed tokens and a tree (root, two children) padded to 4; row 1: no tree
+    (a finished request): all padding, each padded token sees itself only."""
+    tree = Tree([-1, 0, 0], [5, 6, 7])
+    N = 4
+    local = torch.eye(N, dtype=torch.bool).repeat(2, 1, 1)
+    local[0, :3, :3] = tree.attention_mask()
+    mask = tree_rows_mask(torch.tensor([2, 1]), local, capacity=7)[:, 0].int()
+    assert mask[0].tolist() == [[1, 1, 1, 0, 0, 0, 0],
+                                [1, 1, 1, 1, 0, 0, 0],
+                                [1, 1, 1, 0, 1, 0, 0],
+                                [1, 1, 0, 0, 0, 1, 0]]  # padding: itself only
+    assert mask[1].tolist() == [[1, 1, 0, 0, 0, 0, 0],  # its committed token, then itself
+                                [1, 0, 1, 0, 0, 0, 0],
+                                [1, 0, 0, 1, 0, 0, 0],
+                                [1, 0, 0, 0, 1, 0, 0]]
+
+
+def test_a_wrong_committed_length_fails_the_comparison(monkeypatch):
+    """The comparison has teeth: a mask that hides the last committed token changes the logits."""
+    import treespec.fixed_shape as fs
+
+    real = fs.tree_rows_mask
+    monkeypatch.setattr(fs, "tree_rows_mask", lambda c, m, cap: real(c - 1, m, cap) & real(c, m, cap))
+    want, got, _, _ = both_forwards(model_of("llama"), [[5, 9, 2, 7]], [Tree.chain(2, [1, 2, 3])])
+    assert (want.logits[0] - got.logits[0]).abs().max() > 100 * ATOL
+
+
+def test_bad_mode_is_refused():
+    with pytest.raises(ValueError, match="fixed_shapes must be False"):
+        treespec.generate(model_of("llama"), "ngram", "cpu", [1, 2, 3], max_new_tokens=4, fixed_shapes="yes")
+
+
+# ---- generate ---------------------------------------------------------------------------------
+
+
+def count_fixed(monkeypatch) -> list[int]:
+    """[fixed-shape forwards, fallbacks] over every FixedShapeVerify made from now on."""
+    counts = [0, 0]
+    real = FixedShapeVerify.forward
+
+    def forward(self, *args, **kw):
+        before = (self.fixed_forwards, self.fallbacks)
+        out = real(self, *args, **kw)
+        counts[0] += self.fixed_forwards - before[0]
+        counts[1] += self.fallbacks - before[1]
+        return out
+
+    monkeypatch.setattr(FixedShapeVerify, "forward", forward)
+    return counts
+
+
+def hf_greedy(model, prompt, n):
+    ids = torch.tensor([prompt])
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)[
+        0, len(prompt):].tolist()
+
+
+PROMPTS = [[5, 3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [7, 7, 7], [1]]
+
+
+@pytest.mark.parametrize("kind", ["ngram", "model", "eagle3", "eagle1", "hybrid"])
+@pytest.mark.parametrize("tree_cfg", ["cpu", "chain-3", "medusa-63"])
+def test_greedy_tokens_equal_todays_and_hf(kind, tree_cfg, monkeypatch):
+    model, drafter = pair(kind)
+    counts = count_fixed(monkeypatch)
+    want = treespec.generate(model, drafter, tree_cfg, PROMPTS, max_new_tokens=24, attention_backend="torch")
+    got = treespec.generate(model, drafter, tree_cfg, PROMPTS, max_new_tokens=24, attention_backend="torch",
+                            fixed_shapes=True)
+    assert got.sequences == want.sequences
+    assert [got.sequences[0]] == [hf_greedy(model, PROMPTS[0], 24)]
+    assert counts[0] > 0 and (counts[1] == 0 or kind == "hybrid")  # medusa-63 + lookup: past 64 tokens
+
+
+@pytest.mark.parametrize("kind", ["ngram", "eagle3"])
+def test_seeded_sampling_gives_todays_tokens(kind):
+    model, drafter = pair(kind, peak=3.0)  # flat enough for samples to differ from the argmax
+    kw = dict(max_new_tokens=24, temperature=0.9, top_p=0.95, seed=7, attention_backend="torch")
+    want = treespec.generate(model, drafter, "cpu", PROMPTS, **kw)
+    got = treespec.generate(model, drafter, "cpu", PROMPTS, fixed_shapes=True, **kw)
+    assert got.sequences == want.sequences
+    greedy = treespec.generate(model, drafter, "cpu", PROMPTS, max_new_tokens=24, fixed_shapes=True)
+    assert greedy.sequences != got.sequences  # the sampling shows
+
+
+@pytest.mark.parametrize("kind", ["ngram", "eagle3"])
+def test_a_prefix_cache_hit_gives_the_same_tokens(kind):
+    model, drafter = pair(kind)
+    cache = PrefixCache(1 << 20)
+    first = treespec.generate(model, drafter, "cpu", [PROMPTS[0]], max_new_tokens=16, prefix_cache=cache,
+                              fixed_shapes=True)
+    again = [PROMPTS[0] + first.sequences[0] + [3, 4]]
+    got = treespec.generate(model, drafter, "cpu", again, max_new_tokens=16, prefix_cache=cache, fixed_shapes=True)
+    assert got.metrics.requests[0].hit_tokens > 0
+    assert got.sequences == treespec.generate(model, drafter, "cpu", again, max_new_tokens=16).sequences
+
+
+# ---- compiled -----------------------------------------------------------------------------------
+
+
+def test_compiled_forward_compiles_once_per_bucket_and_equals_eager():
+    """Two buckets, each met at several prefix lengths and trees: two graphs (one per bucket),
+    logits within fp32 rounding of the eager forward's."""
+    import torch._dynamo.utils as dynamo_utils
+
+    torch._dynamo.reset()
+    model = model_of("llama", 3)
+    runner = ModelRunner(model, "torch", feature_layers=[0, FINAL_NORM])
+    cache, seqs = runner.new_rows_cache(2, fixed_row_tokens(40, 8, "compile"), 4)
+    eager_cache, _ = runner.new_rows_cache(2, fixed_row_tokens(40, 8, "compile"), 4)
+    compiled = FixedShapeVerify(runner, cache, seqs, compile=True)
+    eager = FixedShapeVerify(runner, eager_cache, seqs)
+    dynamo_utils.counters.clear()
+    graphs = []
+    with runner.attached():
+        for step in range(8):
+            n = [2, 6, 3, 8, 1, 5, 4, 7][step]  # buckets 4 and 8, prefixes growing from 0
+            tree_list = [Tree.chain(n - 1, [(step + i + j) % V for i in range(n)]) for j in range(2)]
+            cached = [3 * step, 2 * step + 1]
+            a = compiled.forward(seqs, tree_list, cached, capture=True)
+            b = eager.forward(seqs, tree_list, cached, capture=True)
+            for x, y in zip(a.logits + a.features, b.logits + b.features):
+                assert (x - y).abs().max() < ATOL
+            for s, L in zip(seqs, cached):  # the next step's prefix grows past this one's
+                for c in (cache, eager_cache):
+                    c.seq_lens[s] = L
+            graphs.append(dynamo_utils.counters["stats"]["unique_graphs"])
+    assert compiled.fixed_forwards == 8
+    assert graphs == [1, 2, 2, 2, 2, 2, 2, 2], graphs  # bucket 4 at step 0, bucket 8 at step 1, then none
+    assert not dynamo_utils.counters["graph_break"]
+
+
+def test_generate_compiled_gives_todays_tokens():
+    model, drafter = pair("eagle3")
+    want = treespec.generate(model, drafter, "chain-3", PROMPTS[:2], max_new_tokens=12)
+    got = treespec.generate(model, drafter, "chain-3", PROMPTS[:2], max_new_tokens=12, fixed_shapes="compile")
+    assert got.sequences == want.sequences

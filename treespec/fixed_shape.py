@@ -1,0 +1,282 @@
+"""The verify forward on fixed shapes: the tree padded to a bucket, its inputs read from buffers
+that live as long as the loop's cache rows, each layer attending over its row's whole capacity.
+
+Today's verify forward (:meth:`~treespec.runner.ModelRunner.forward`) has new shapes at every
+step: n tree tokens, L + n keys, a mask and index tensors built for them. That is cheapest when
+every operation is launched from Python anyway (a CPU running eagerly), but nothing can be
+captured in a CUDA graph or compiled once: ``torch.compile`` of the eager forward recompiles at
+every change of the prefix's length (issue 48 counted eight recompiles, then its limit).
+
+:class:`FixedShapeVerify` runs the same model, through the same registered attention function,
+on shapes that depend only on the bucket (4, 8, 16, 32 or 64 tokens a row) and on the cache:
+
+- the ids and positions ``[R, N]``, the local tree mask ``[R, N, N]`` and the committed lengths
+  ``[R]`` are buffers allocated once per bucket and refilled before each forward;
+- row r's node i writes its K/V at row position ``committed[r] + i``: a tree node where today's
+  path writes it, a padded node just past the tree, scratch that nothing reads (every later
+  tree writes there again before a commit can keep it);
+- each layer attends over the row's whole capacity C, key j seen by node i when
+  ``j < committed[r]`` or ``tree_mask[r, i, j - committed[r]]``: the mask is computed from the
+  buffers inside the forward, once, so the prefix grows in a tensor and not in a shape. A
+  padded node sees only itself (no all-masked softmax); the rows of finished requests are all
+  padding. Keys outside the mask add exact zeros to the softmax as long as they are finite,
+  and the cache holds only finite K/V (it starts zeroed).
+
+Trees past the largest bucket, or past their row, go through today's forward. With
+``compile=True`` the forward runs through ``torch.compile(dynamic=False)``: one compile per
+bucket (and cache shape), none as the prefix grows (``tests/test_fixed_shape.py`` counts them).
+
+Letters: R rows of the cache (one per request of the batch), N tokens of a bucket, n tree nodes,
+C a row's capacity, V vocabulary, F features, H query heads, Hkv key heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .kv_cache import PagedKVCache
+from .runner import ForwardOutput
+from .tree import Tree
+
+__all__ = ["FixedShapeVerify", "FixedRowsAttention", "BUCKETS", "bucket_for", "row_capacity", "fixed_row_tokens",
+           "tree_rows_mask"]
+
+log = logging.getLogger(__name__)
+
+BUCKETS = (4, 8, 16, 32, 64)  # tree tokens a row, root and padding included
+
+
+def bucket_for(n: int, buckets: Sequence[int] = BUCKETS) -> int | None:
+    """The smallest bucket that holds ``n`` tree tokens, or None past the largest."""
+    return next((b for b in buckets if b >= n), None)
+
+
+def row_capacity(tokens: int, compile: bool) -> int:
+    """The row length a fixed-shape cache asks for to hold ``tokens`` positions. Compiled, a
+    power of two: every row capacity is a new shape to compile, and prompts and budgets vary
+    from call to call."""
+    return 1 << max(tokens - 1, 1).bit_length() if compile else tokens
+
+
+def fixed_row_tokens(committed: int, tree_tokens: int, mode: bool | str) -> int:
+    """The row a request needs on fixed shapes (``mode``: True or ``"compile"``): room for
+    ``committed`` tokens and, after them, the bucket of a tree of ``tree_tokens`` (root
+    included; the tree itself past the largest bucket, which today's forward runs)."""
+    return row_capacity(committed + (bucket_for(tree_tokens) or tree_tokens), mode == "compile")
+
+
+@dataclass(eq=False)
+class _Bucket:
+    """One bucket's buffers (N tokens a row), on the cache's device; ``host`` holds the same
+    fields on the CPU where the device is not (filled there, copied over in one go each)."""
+
+    ids: torch.Tensor  # int64 [R, N]; padding: token 0
+    positions: torch.Tensor  # int64 [R, N]: committed + depth; padding: committed + its index
+    tree_mask: torch.Tensor  # bool [R, N, N]: the tree's ancestor mask; padding sees itself
+    committed: torch.Tensor  # int64 [R]: L, the row's keys every node sees
+
+    @classmethod
+    def empty(cls, rows: int, n: int, device) -> "_Bucket":
+        return cls(torch.zeros(rows, n, dtype=torch.int64, device=device),
+                   torch.zeros(rows, n, dtype=torch.int64, device=device),
+                   torch.eye(n, dtype=torch.bool, device=device).expand(rows, n, n).clone(),
+                   torch.zeros(rows, dtype=torch.int64, device=device))
+
+    def copy_from(self, other: "_Bucket") -> None:
+        for name in ("ids", "positions", "tree_mask", "committed"):
+            getattr(self, name).copy_(getattr(other, name), non_blocking=True)
+
+
+def fill(b: _Bucket, committed: Sequence[int], rows: Sequence[int], trees: Sequence[Tree]) -> None:
+    """Write one step into ``b`` (CPU tensors): every row's ``committed`` length, and request
+    i's tree at row ``rows[i]``; the other rows (finished requests) are all padding."""
+    R, N = b.ids.shape
+    b.ids.zero_()
+    b.positions.copy_(torch.arange(N).expand(R, N))
+    b.tree_mask.copy_(torch.eye(N, dtype=torch.bool))
+    b.committed.copy_(torch.as_tensor(committed, dtype=torch.int64))
+    for r, tree in zip(rows, trees):
+        n = tree.num_nodes
+        b.ids[r, :n] = tree.tokens
+        b.positions[r, :n] = tree.depth
+        b.tree_mask[r, :n, :n] = tree.attention_mask()
+    b.positions.add_(b.committed[:, None])
+
+
+def tree_rows_mask(committed: torch.Tensor, tree_mask: torch.Tensor, capacity: int) -> torch.Tensor:
+    """bool ``[R, 1, N, C]``: which of its row's C keys each node sees. Key j: the committed
+    prefix (``j < committed[r]``), then the bucket's own keys (``tree_mask[r, i, j - committed[r]]``),
+    nothing past them. Tensor operations only, of shapes fixed by the bucket and the capacity."""
+    R, N, _ = tree_mask.shape
+    rel = torch.arange(capacity, device=committed.device)[None] - committed[:, None]  # [R, C]
+    local = tree_mask.gather(2, rel.clamp(0, N - 1)[:, None, :].expand(R, N, capacity))  # [R, N, C]
+    own = (rel >= 0) & (rel < N)
+    return ((rel < 0)[:, None, :] | (own[:, None, :] & local))[:, None]
+
+
+@dataclass(eq=False)
+class _RowsBatch:
+    """What the attention layers of one fixed-shape forward read (treespec_attention's
+    ``treespec_batch``: ``cache``, ``write_slots`` and ``backend`` as a ForwardBatch has them)."""
+
+    cache: PagedKVCache
+    write_slots: torch.Tensor  # int64 [R * N]: flat cache slot of every bucket token
+    backend: "FixedRowsAttention"
+    mask: torch.Tensor  # bool [R, 1, N, C]
+    positions: torch.Tensor  # int64 [R, N]: the bucket's RoPE positions (sliding windows)
+    committed: torch.Tensor  # int64 [R]
+
+
+class FixedRowsAttention:
+    """Attention of a fixed-shape forward: each row's N queries over the row's C keys, read
+    as one strided view of the cache's block of rows (no gather), fp32 on a CPU as
+    :class:`~treespec.attention.TorchBackend` attends there."""
+
+    name = "fixed-rows"
+
+    def __init__(self, first: int, rows: int, capacity: int):
+        self.first, self.rows, self.capacity = first, rows, capacity  # block: row r at first + r * capacity
+
+    def run(self, batch: _RowsBatch, layer: int, q: torch.Tensor, scaling: float, sliding_window=None):
+        """``q`` ``[R * N, H, D]`` -> ``[R * N, H, D]``; the layer's new K/V are already cached."""
+        R, C = self.rows, self.capacity
+        N, H, D = q.shape[0] // R, q.shape[1], q.shape[2]
+        dtype = torch.float32 if q.device.type == "cpu" else q.dtype
+        fk, fv = batch.cache.flat(layer)
+        k = fk[self.first: self.first + R * C].view(R, C, *fk.shape[1:]).transpose(1, 2).to(dtype)  # [R, Hkv, C, D]
+        v = fv[self.first: self.first + R * C].view(R, C, *fv.shape[1:]).transpose(1, 2).to(dtype)
+        qp = q.to(dtype).view(R, N, H, D).transpose(1, 2)  # [R, H, N, D]
+        mask = batch.mask if sliding_window is None else _windowed(batch, sliding_window, C)
+        out = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scaling, enable_gqa=k.shape[1] != H)
+        return out.to(q.dtype).transpose(1, 2).reshape(R * N, H, D)
+
+
+def _windowed(batch: _RowsBatch, window: int, capacity: int) -> torch.Tensor:
+    """The batch's mask narrowed to a sliding window (transformers' convention, as the torch
+    backend's: a query at position p sees keys at positions > p - window). A key's position is
+    its index in the prefix, its node's position in the bucket; a node always sees itself."""
+    R, N = batch.positions.shape
+    rel = torch.arange(capacity, device=batch.positions.device)[None] - batch.committed[:, None]  # [R, C]
+    in_bucket = batch.positions.gather(1, rel.clamp(0, N - 1))
+    key_pos = torch.where(rel < 0, rel + batch.committed[:, None], in_bucket)  # [R, C]
+    near = batch.positions[:, :, None] - key_pos[:, None, :] < window  # [R, N, C]
+    return batch.mask & near[:, None]
+
+
+class FixedShapeVerify:
+    """The loop's verify forward on fixed shapes, over one cache's block of rows.
+
+    Built once per request cache (its buffers live as long as the rows); :meth:`forward` takes
+    the arguments the loop's tree forward has and returns what :meth:`ModelRunner.forward`
+    returns, falling back to it for a tree past the largest bucket or past its row.
+
+    Args:
+        runner:  the target's :class:`~treespec.runner.ModelRunner`; forwards run while it is
+                 attached.
+        cache:   the loop's cache, its sequences in one block of rows
+                 (:meth:`~treespec.kv_cache.PagedKVCache.with_rows`).
+        seqs:    the block's sequences.
+        compile: run the forward through ``torch.compile(dynamic=False)``.
+        buckets: the tree sizes a forward is padded to (ascending).
+    """
+
+    def __init__(self, runner, cache: PagedKVCache, seqs: Sequence[int], compile: bool = False,
+                 buckets: Sequence[int] = BUCKETS):
+        block = cache.block_rows(seqs, 0)
+        if block is None or not seqs:
+            raise ValueError("the verify forward on fixed shapes needs the cache's sequences in one block of rows "
+                             "(PagedKVCache.with_rows)")
+        first, stride, rows = block
+        self.runner, self.cache, self.buckets = runner, cache, tuple(sorted(buckets))
+        self.row_of = dict(zip(seqs, rows))
+        R = max(rows) + 1
+        self.attention = FixedRowsAttention(first, R, stride)
+        self.committed = [0] * R  # each row's committed length at its last forward (host ints)
+        self._row_start = first + stride * torch.arange(R, device=cache.device)  # int64 [R]
+        self._buffers: dict[int, tuple[_Bucket, _Bucket]] = {}  # N -> (on the device, on the CPU)
+        if compile and runner.feature_layers:
+            _install_output_hooks(runner.model)
+        self._run = torch.compile(self._body, dynamic=False) if compile else self._body
+        self.fixed_forwards = self.fallbacks = 0  # how forwards ran (tests, logs)
+
+    @property
+    def capacity(self) -> int:
+        """C, the positions of a row."""
+        return self.attention.capacity
+
+    @torch.inference_mode()
+    def forward(self, seqs: Sequence[int], trees: Sequence[Tree], cached: Sequence[int],
+                capture: bool = False):
+        """The target's logits (``[n_i, V]``) and, with ``capture``, features (``[n_i, F]``) at
+        every node of request i's tree ``trees[i]``, in its sequence ``seqs[i]`` after
+        ``cached[i]`` committed tokens: a :class:`~treespec.runner.ForwardOutput`."""
+        N = bucket_for(max(t.num_nodes for t in trees), self.buckets)
+        rows = [self.row_of.get(s) for s in seqs]
+        for r, L in zip(rows, cached):
+            if r is not None:
+                self.committed[r] = L
+        if N is None or None in rows or max(self.committed) + N > self.capacity:
+            self.fallbacks += 1
+            log.debug("fixed-shape verify: a tree of %d nodes does not fit; today's forward runs it",
+                      max(t.num_nodes for t in trees))
+            return self.runner.forward(self.cache, seqs, [t.tokens for t in trees],
+                                       [t.position_ids(L) for t, L in zip(trees, cached)],
+                                       [t.attention_mask() for t in trees], capture=capture)
+        for s, t, L in zip(seqs, trees, cached):
+            self.cache.reserve(s, L + t.num_nodes)  # inside the row: bookkeeping only
+        device, host = self._bucket(N)
+        fill(host, self.committed, rows, trees)
+        if device is not host:
+            device.copy_from(host)
+        logits, features = self._run(device, capture and bool(self.runner.feature_layers))
+        self.fixed_forwards += 1
+        return _per_request(logits, features, rows, [t.num_nodes for t in trees])
+
+    def _bucket(self, n: int) -> tuple[_Bucket, _Bucket]:
+        if n not in self._buffers:
+            R, dev = self.attention.rows, self.cache.device
+            device = _Bucket.empty(R, n, dev)
+            host = device if dev.type == "cpu" else _Bucket.empty(R, n, "cpu")
+            if dev.type == "cuda":
+                host = _Bucket(*(t.pin_memory() for t in vars(host).values()))
+            self._buffers[n] = (device, host)
+        return self._buffers[n]
+
+    def _body(self, b: _Bucket, capture: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward of bucket ``b``: logits ``[R, N, V]`` and features ``[R, N, F]`` (None
+        unless ``capture``). Reads only ``b``'s buffers and the cache: what a compile or a
+        CUDA graph holds."""
+        R, N = b.ids.shape
+        slots = (self._row_start + b.committed)[:, None] + torch.arange(N, device=b.ids.device)  # [R, N]
+        batch = _RowsBatch(self.cache, slots.reshape(-1), self.attention,
+                           tree_rows_mask(b.committed, b.tree_mask, self.capacity), b.positions, b.committed)
+        out = self.runner.model(input_ids=b.ids.view(1, R * N), position_ids=b.positions.view(1, R * N),
+                                use_cache=False, output_hidden_states=capture, treespec_batch=batch)
+        logits = out.logits.view(R, N, -1)
+        if not capture:
+            return logits, None
+        # hidden_states[i]: what enters layer i; [-1]: the final norm's output (FINAL_NORM).
+        features = torch.cat([out.hidden_states[fid] for fid in self.runner.feature_layers], dim=-1)
+        return logits, features.view(R, N, -1)
+
+
+def _install_output_hooks(model) -> None:
+    """transformers hooks a model for ``output_hidden_states`` on the first call that asks, under
+    a lock torch.compile cannot trace (a graph break, then a recompile once the hooks are there):
+    install them first. Versions without the function install nothing and compile as they can."""
+    try:
+        from transformers.utils.output_capturing import maybe_install_capturing_hooks
+    except ImportError:
+        return
+    maybe_install_capturing_hooks(model.get_decoder())
+
+
+def _per_request(logits: torch.Tensor, features: torch.Tensor | None, rows: Sequence[int], n: Sequence[int]):
+    """``[R, N, ...]`` outputs cut to each request's row and tree nodes."""
+    return ForwardOutput([logits[r, :k] for r, k in zip(rows, n)],
+                         None if features is None else [features[r, :k] for r, k in zip(rows, n)])
