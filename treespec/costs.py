@@ -136,6 +136,7 @@ def model_identity(model) -> dict:
 
 def cost_key(runner) -> dict:
     """What the cost of a forward depends on: the model, how it runs, and where."""
+    from .models.quant import weights_format
     from .packing import PackedLinear
 
     model = runner.model
@@ -146,6 +147,7 @@ def cost_key(runner) -> dict:
         "threads": torch.get_num_threads(),
         "device": device_name(runner.device),
         "packed": any(isinstance(m, PackedLinear) for m in model.modules()),
+        "weights": weights_format(model),  # int4 and Q4_1 blocks share shapes, not costs, with dense weights
     }
 
 
