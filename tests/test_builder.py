@@ -69,7 +69,10 @@ def token_path_scores(tree: Tree) -> dict[tuple[int, ...], float]:
 
 
 def reference_eagle2(root_logp: np.ndarray, table: np.ndarray, depth: int, k: int, n: int):
-    """EAGLE-2 as facts.md section 1 states it, one request, in plain Python.
+    """EAGLE-2 as SafeAILab/EAGLE's ``Model.topK_genrate`` (``eagle/model/cnets.py``) grows a
+    tree, one request, in plain Python: ``k`` children of each frontier node scored by
+    cumulative log-probability, the ``k`` best of them the next frontier, every candidate
+    pooled, and the ``n`` best of the pool kept.
 
     ``table`` is ``[V, V]`` or ``[depths, V, V]`` (see :func:`markov_draft`).
 

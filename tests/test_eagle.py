@@ -1,6 +1,8 @@
 """EAGLE draft heads: the published checkpoint layouts, the head math, the shift by one.
 
-Checkpoints are written by hand under the published key names (facts.md section 2), never
+Checkpoints are written by hand under the key names of the published heads, as SafeAILab/EAGLE
+(``eagle/model/cnets.py``) reads them: EAGLE-1/2 ``fc`` and ``layers.0.*``; EAGLE-3 ``fc``,
+``midlayer.*`` (vLLM's ``layers.0.*``), ``norm``, ``lm_head``, ``d2t`` and ``t2d``. Never
 with ``EagleHead.save_pretrained``, so a loader that only reads its own writer's files fails
 here. The head math is checked against :class:`DenseHead`, a dense float64 implementation
 written from the definitions; draft extend (the head re-run on each step's accepted tokens)

@@ -3,9 +3,10 @@
 The drafter supplies a *step*: given the current frontier (a few nodes per request, all at
 one depth), it returns their children's log-probabilities. Two growers use it:
 
-* :func:`build_dynamic_trees`, EAGLE-2 (facts.md section 1): expand ``top_k`` children of
-  each frontier node, keep the ``top_k`` best by cumulative score as the next frontier,
-  pool every candidate, and finally keep the ``num_nodes`` best of the pool;
+* :func:`build_dynamic_trees`, EAGLE-2 as its reference grows a tree (SafeAILab/EAGLE,
+  ``eagle/model/cnets.py``, ``Model.topK_genrate``): expand ``top_k`` children of each frontier
+  node, keep the ``top_k`` best by cumulative score as the next frontier, pool every
+  candidate, and finally keep the ``num_nodes`` best of the pool;
 * :func:`build_static_trees`: a fixed shape whose rank-r child of a node is the node's
   r-th most probable next token.
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# GPU check for a bare CUDA machine: installs nothing, fetches nothing, and ends within about
-# 7.5 minutes (each step has a time limit: 110 + 80 + 230 s, each plus at most 10 s to stop).
-# What it needs is the checkout itself (treespec/, tests/, benchmarks/) and a python with torch
-# (CUDA), transformers, triton, pytest and hypothesis; FlashInfer is used when it imports,
-# skipped otherwise.
+# GPU check for a bare CUDA machine without a network, with at most 64 MiB of files brought
+# along: it installs nothing, downloads nothing, and ends within about 7.5 minutes (each step has
+# a time limit: 110 + 80 + 230 s, each plus at most 10 s to stop). What it needs is the checkout
+# itself (treespec/, tests/, benchmarks/) and a python with torch (CUDA), transformers, triton,
+# pytest and hypothesis; FlashInfer is used when it imports, skipped otherwise.
 #   1. the environment: GPU, torch, CUDA, transformers, triton, whether flex and FlashInfer run;
 #   2. the verify cost curve and a logits check on a model of Llama-3.1-8B's shape (hidden 4096,
 #      32 layers, 32 heads, 8 KV heads, vocab 128256) with random weights built on the GPU in
@@ -27,8 +27,8 @@
 #   DEVICE=cpu SHAPE=tiny PREFIX=40 SIZES=1,5 REPEATS=1 DRAFT_REPEATS=2 bash benchmarks/figures/gpu_check.sh  # a rehearsal
 #
 # --dry-run checks that every Python file it runs imports (and parses its arguments), that the
-# tests it names exist and are collected, and that what the device tool would carry (the
-# working tree: tracked files plus untracked ones git does not ignore) fits in 64 MiB; it
+# tests it names exist and are collected, and that the checkout's files (those git tracks plus
+# the untracked ones it does not ignore) fit in the 64 MiB a GPU run may bring along; it
 # prints that size and exits 0 when all hold. Exits non-zero when a step fails or runs out of time.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -46,7 +46,7 @@ TESTS_LIMIT=${TESTS_LIMIT:-230}   # seconds for step 4 (106 s on an H200 before 
 COST_SCRIPT=benchmarks/micro/verify_cost_gpu.py
 DRAFT_SCRIPT=benchmarks/micro/draft_step_gpu.py
 TESTS=(tests/test_cuda_graphs.py tests/test_cuda.py tests/test_backends.py)
-CARRY_LIMIT_MIB=${CARRY_LIMIT_MIB:-64}  # what the device tool carries at most
+CARRY_LIMIT_MIB=${CARRY_LIMIT_MIB:-64}  # the most a GPU run may bring along
 
 if [ "${1:-}" = "--dry-run" ]; then
   fail=0
@@ -67,7 +67,7 @@ def listed(*args):
     out = subprocess.run(["git", "ls-files", "-z", *args], capture_output=True, check=True).stdout
     return {p for p in out.decode().split("\0") if p}
 
-# What the device tool copies: the working tree's tracked files, the untracked ones git does
+# What counts against the 64 MiB: the checkout's tracked files, the untracked ones git does
 # not ignore, and a shared/ folder inside the checkout.
 paths = listed("--cached") | listed("--others", "--exclude-standard")
 if os.path.isdir("shared"):

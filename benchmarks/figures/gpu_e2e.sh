@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# treespec end to end on a GPU machine that can fetch nothing: SmolLM2-135M-Instruct with the
+# treespec end to end on a GPU machine without a network: SmolLM2-135M-Instruct with the
 # shipped EAGLE-3 head, `treespec bench` on the first N GSM8K test questions, 256 new tokens,
 # bf16, greedy, side by side with HF generate on the same GPU (greedy outputs compared too).
-# The model cannot be downloaded there, so its Q4_1 GGUF (98 MB, the file every first run
-# converts) is brought along (GGUF=... names the whole file: the device tool carries 64 MiB a
-# call, so it travels in pieces that are joined with cat before this script runs), and the
-# `gguf` package as a wheel (WHEELS=dir) where it is missing.
+# Nothing can be downloaded there, so the model's Q4_1 GGUF (98 MB, the file every first run
+# converts) is brought along, and the `gguf` package as a wheel (WHEELS=dir) where it is
+# missing. A run brings at most 64 MiB of files, so the GGUF comes in pieces, joined with cat
+# before this script runs; GGUF=... names the joined file.
 #   GGUF=/path/SmolLM2-135M-Instruct.Q4_1.gguf [WHEELS=dir] [N=5] [LIMIT=420] [GRAPHS=1] bash benchmarks/figures/gpu_e2e.sh
 # Writes gpu-gsm8k$N.{json,txt,log,jsonl} (the hybrid's chain-3, the hybrid with auto, which
 # first measures this GPU's verify costs, and the head alone's chain-3) under $OUT, else

@@ -1,9 +1,9 @@
-"""The EAGLE-3 drafter's step on a GPU, eager against a CUDA graph, with nothing fetched: a
-head of Llama-3.1-8B's shape (one decoder layer of hidden 4096, a 32,000-row draft
-vocabulary, the target's 128,256-row embedding) with random weights, drafting one tree level
-of k tokens after a 1,536-token prefix: the head's forward over a static KV buffer (SDPA
-under a boolean mask), its logits, log-softmax and top-k, as one level of an EAGLE-2 tree
-needs. Median milliseconds per level, and per tree of ``--depth`` levels.
+"""The EAGLE-3 drafter's step on a GPU, eager against a CUDA graph, with nothing downloaded
+(the GPU machine has no network): a head of Llama-3.1-8B's shape (one decoder layer of hidden
+4096, a 32,000-row draft vocabulary, the target's 128,256-row embedding) with random weights,
+drafting one tree level of k tokens after a 1,536-token prefix: the head's forward over a
+static KV buffer (SDPA under a boolean mask), its logits, log-softmax and top-k, as one level
+of an EAGLE-2 tree needs. Median milliseconds per level, and per tree of ``--depth`` levels.
 
     python benchmarks/micro/draft_step_gpu.py --out DIR/draft_step.json [--k 8] [--depth 6]
 

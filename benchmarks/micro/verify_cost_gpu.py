@@ -1,9 +1,10 @@
-"""The verify cost curve on a GPU, with nothing fetched: one target forward of a tree of q
-tokens after a prefix of 1,536 cached tokens, for q = 1 .. 128, through each attention backend
-that runs there (torch, flex, and FlashInfer when it imports), median milliseconds over
-repeats. The target has a real model's shape, Llama-3.1-8B's by default (hidden 4096,
-intermediate 14336, 32 layers, 32 heads, 8 KV heads, vocab 128256; its rope scaling left out,
-which changes no cost), built with random weights directly on the GPU in bf16.
+"""The verify cost curve on a GPU, with nothing downloaded (the GPU machine has no network):
+one target forward of a tree of q tokens after a prefix of 1,536 cached tokens, for
+q = 1 .. 128, through each attention backend that runs there (torch, flex, and FlashInfer
+when it imports), median milliseconds over repeats. The target has a real model's shape,
+Llama-3.1-8B's by default (hidden 4096, intermediate 14336, 32 layers, 32 heads, 8 KV heads,
+vocab 128256; its rope scaling left out, which changes no cost), built with random weights
+directly on the GPU in bf16.
 
     python benchmarks/micro/verify_cost_gpu.py --out DIR/verify_cost.json [--layers 32] [--prefix 1536]
 
