@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable
 
 from .common import (DEFAULT_DRAFT, DEFAULT_SPEC, Bars, UserError, auto_profile, check_early, generation_options, log,
                      sampling)
-from .specs import LOOKUP_SUFFIX, check_draft_spec, tree
+from .specs import LOOKUP_SUFFIX, HeadForAnotherModel, check_draft_spec, tree
 
 __all__ = ["LOOKUP_SUFFIX", "check_draft_spec", "tree", "check", "stream_options", "load", "load_model", "drafter",
            "setup_threads"]
@@ -148,33 +148,25 @@ def drafter(spec: str, model, tokenizer, backend: str, cuda_graphs: bool = False
             raise HeadForAnotherModel(
                 f"{e}: --draft {spec} is an EAGLE head for another model. Use --draft ngram (prompt lookup, no "
                 "model), --draft layers:K (the target's first K layers) or a head trained for this model: treespec "
-                "train-eagle --model ... --out DIR (the model writes its own training data: docs/own-model.md)") from None
+                "train-eagle --model ... --out DIR (it writes its own training data: docs/own-model.md)") from None
     return d, name
 
 
-class HeadForAnotherModel(UserError):
-    """The draft is an EAGLE head whose shapes or vocabulary are another model's."""
-
-
 def _drafters(args, specs: Iterable[str], model, tok, graphs: bool) -> dict:
-    """:func:`drafter` of each spec, except that the default draft (the shipped head, not asked
-    for with --draft or --config) on a model it was not made for falls back to prompt lookup,
-    said in one line: a first run with one's own model runs, and names the way to a head."""
+    """:func:`drafter` of each spec; the default draft (the shipped head, not given by --draft or
+    --config) on a model it was not made for falls back to prompt lookup, said in one line."""
+    given = any(a.split("=")[0] in ("--draft", "--config") for a in getattr(args, "argv", ()))
     out, fallback = {}, None
     for spec in dict.fromkeys(specs):
         try:
             out[spec] = drafter(spec, model, tok, args.backend, graphs)
         except HeadForAnotherModel:
-            given = any(a.split("=")[0] in ("--draft", "--config") for a in getattr(args, "argv", ()))
             if spec not in (DEFAULT_SPEC, DEFAULT_DRAFT) or given:
                 raise
             if fallback is None:  # one drafter for both defaults: bench runs it once per tree
-                from ..drafters import NgramDrafter
-
-                fallback = NgramDrafter(), "ngram"
-                print(f"treespec: {args.model} has no EAGLE head: drafting by prompt lookup (--draft ngram); train "
-                      f"one with: treespec train-eagle --model {args.model} --out DIR (docs/own-model.md)",
-                      file=sys.stderr, flush=True)
+                fallback = drafter("ngram", model, tok, args.backend)
+                print(f"treespec: {args.model} has no EAGLE head: drafting by prompt lookup (--draft ngram); train one "
+                      f"with: treespec train-eagle --model {args.model} --out DIR (docs/own-model.md)", file=sys.stderr)
             out[spec] = fallback
     return out
 

@@ -13,6 +13,10 @@ from .common import UserError
 LOOKUP_SUFFIX = "+lookup"
 
 
+class HeadForAnotherModel(UserError):
+    """The draft is an EAGLE head whose shapes or vocabulary are another model's."""
+
+
 def tree(spec: str):
     """``(TreeConfig, short name)`` of a preset name, ``chain-K`` or a JSON tree file."""
     from ..config import PRESETS, TreeConfig

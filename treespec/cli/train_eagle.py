@@ -5,6 +5,7 @@ a packaged dataset (capturing the target's features first); or on ``treespec cap
 from __future__ import annotations
 
 import re
+import sys
 import time
 
 from .common import UserError, add_model
@@ -159,7 +160,13 @@ def _own(args):
     report = TrainReport()
     run = OwnRun(model, tok, cfg, callback=report, started=started,
                  packed=(lambda: packed) if packed is not None and choice.pack else contextlib.nullcontext)
-    head = run.run()
+    try:
+        head = run.run()
+    except KeyboardInterrupt:
+        report.close()
+        print(f"treespec: stopped; what is done is kept: treespec train-eagle --model {args.model} --out {args.out} "
+              "resumes", file=sys.stderr, flush=True)
+        raise
     report.close()
     print(f"saved the head to {head}; use it with: treespec generate --model {args.model} --draft {head}")
     return 0
