@@ -283,6 +283,16 @@ def test_progress_lines_off_a_terminal_come_every_tenth_with_the_time_left():
     assert len(lines) == 12  # the line, then 0%, 10%, ..., 100%
     assert lines[1] == "treespec: answers: 0/40 convs (0%), about 10 min left in all"
     assert lines[-1] == "treespec: answers: 40/40 convs (100%), about 9 min left in all"
+    # On a terminal a bar counts from where its stage starts (a resumed capture's done shards are
+    # not this run's rate), and a new round of a stage gets a new bar.
+    bars = TrainReport(tty=True, file=io.StringIO())
+    bars(P(stage="capture", done=50, total=100, info={}))
+    assert bars.bars["capture"].initial == 50
+    bars(P(stage="capture", done=100, total=100, info={}))
+    assert "capture" not in bars.bars
+    bars(P(stage="capture", done=0, total=3, info={}))
+    assert bars.bars["capture"].initial == 0 and bars.bars["capture"].total == 3
+    bars.close()
 
 
 # ---- a model without a head ---------------------------------------------------------------------
