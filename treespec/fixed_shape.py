@@ -10,14 +10,15 @@ every change of the prefix's length (issue 48 counted eight recompiles, then its
 :class:`FixedShapeVerify` runs the same model, through the same registered attention function,
 on shapes that depend only on the bucket (4, 8, 16, 32 or 64 tokens a row) and on the cache:
 
-- the ids and positions ``[R, N]``, the local tree mask ``[R, N, N]`` and the committed lengths
-  ``[R]`` are buffers allocated once per bucket and refilled before each forward;
+- the ids and parents ``[R, N]`` and the committed lengths ``[R]`` are buffers allocated once
+  per bucket and refilled before each forward (two copies a request); the tree's ancestor mask
+  and positions are computed from them inside the forward (:func:`ancestor_masks`);
 - row r's node i writes its K/V at row position ``committed[r] + i``: a tree node where today's
   path writes it, a padded node just past the tree, scratch that nothing reads (every later
   tree writes there again before a commit can keep it);
 - each layer attends over the row's whole capacity C, key j seen by node i when
-  ``j < committed[r]`` or ``tree_mask[r, i, j - committed[r]]``: the mask is computed from the
-  buffers inside the forward, once, so the prefix grows in a tensor and not in a shape. A
+  ``j < committed[r]`` or j - committed[r] is token i or its ancestor: the mask is computed
+  from the buffers inside the forward, once, so the prefix grows in a tensor and not in a shape. A
   padded node sees only itself (no all-masked softmax); the rows of finished requests are all
   padding. Keys outside the mask add exact zeros to the softmax as long as they are finite,
   and the cache holds only finite K/V (it starts zeroed).
@@ -44,7 +45,7 @@ from .runner import ForwardOutput
 from .tree import Tree
 
 __all__ = ["FixedShapeVerify", "FixedRowsAttention", "BUCKETS", "bucket_for", "row_capacity", "fixed_row_tokens",
-           "tree_rows_mask"]
+           "tree_rows_mask", "ancestor_masks"]
 
 log = logging.getLogger(__name__)
 
@@ -72,40 +73,50 @@ def fixed_row_tokens(committed: int, tree_tokens: int, mode: bool | str) -> int:
 
 @dataclass(eq=False)
 class _Bucket:
-    """One bucket's buffers (N tokens a row), on the cache's device; ``host`` holds the same
-    fields on the CPU where the device is not (filled there, copied over in one go each)."""
+    """One bucket's buffers (N tokens a row), on the cache's device (or their pinned host
+    copies, filled on the CPU and copied over in one go each)."""
 
     ids: torch.Tensor  # int64 [R, N]; padding: token 0
-    positions: torch.Tensor  # int64 [R, N]: committed + depth; padding: committed + its index
-    tree_mask: torch.Tensor  # bool [R, N, N]: the tree's ancestor mask; padding sees itself
-    committed: torch.Tensor  # int64 [R]: L, the row's keys every node sees
+    parents: torch.Tensor  # int64 [R, N]: each token's parent in its row's bucket; -1: a root or padding
+    committed: torch.Tensor  # int64 [R]: L, the row's keys every token sees
 
     @classmethod
     def empty(cls, rows: int, n: int, device) -> "_Bucket":
         return cls(torch.zeros(rows, n, dtype=torch.int64, device=device),
-                   torch.zeros(rows, n, dtype=torch.int64, device=device),
-                   torch.eye(n, dtype=torch.bool, device=device).expand(rows, n, n).clone(),
+                   torch.full((rows, n), -1, dtype=torch.int64, device=device),
                    torch.zeros(rows, dtype=torch.int64, device=device))
 
     def copy_from(self, other: "_Bucket") -> None:
-        for name in ("ids", "positions", "tree_mask", "committed"):
+        for name in ("ids", "parents", "committed"):
             getattr(self, name).copy_(getattr(other, name), non_blocking=True)
 
 
 def fill(b: _Bucket, committed: Sequence[int], rows: Sequence[int], trees: Sequence[Tree]) -> None:
     """Write one step into ``b`` (CPU tensors): every row's ``committed`` length, and request
-    i's tree at row ``rows[i]``; the other rows (finished requests) are all padding."""
-    R, N = b.ids.shape
+    i's tree (its tokens and parents) at row ``rows[i]``; the other rows (finished requests) are
+    all padding. Two copies a request, none a node, and nothing read back from a tensor."""
     b.ids.zero_()
-    b.positions.copy_(torch.arange(N).expand(R, N))
-    b.tree_mask.copy_(torch.eye(N, dtype=torch.bool))
+    b.parents.fill_(-1)
     b.committed.copy_(torch.as_tensor(committed, dtype=torch.int64))
     for r, tree in zip(rows, trees):
         n = tree.num_nodes
         b.ids[r, :n] = tree.tokens
-        b.positions[r, :n] = tree.depth
-        b.tree_mask[r, :n, :n] = tree.attention_mask()
-    b.positions.add_(b.committed[:, None])
+        b.parents[r, :n] = tree.parents
+
+
+def ancestor_masks(parents: torch.Tensor) -> torch.Tensor:
+    """bool ``[R, N, N]`` from int64 ``parents`` ``[R, N]`` (-1: a root, or padding):
+    ``mask[r, i, j]`` is True iff token j is token i or one of its ancestors, as
+    :meth:`Tree.attention_mask` gives it. One step (a token and its parent) squared until it
+    spans the longest possible path: ``log2(N)`` products of fixed shape, no loop over depths
+    (whose count a tensor holds) and no read back to the host. fp32 products of 0/1 entries
+    summed over at most 64 terms are exact."""
+    R, N = parents.shape
+    idx = torch.arange(N, device=parents.device)
+    reach = ((parents[:, :, None] == idx) | (idx[:, None] == idx)).float()  # [R, N, N]: itself and its parent
+    for _ in range((N - 1).bit_length()):  # paths of up to 2, 4, ... steps: 2^k >= N - 1 at the end
+        reach = (reach @ reach > 0).float()
+    return reach > 0
 
 
 def tree_rows_mask(committed: torch.Tensor, tree_mask: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -253,9 +264,11 @@ class FixedShapeVerify:
         CUDA graph holds."""
         R, N = b.ids.shape
         slots = (self._row_start + b.committed)[:, None] + torch.arange(N, device=b.ids.device)  # [R, N]
+        tree_mask = ancestor_masks(b.parents)  # [R, N, N]
+        positions = b.committed[:, None] + tree_mask.sum(-1) - 1  # [R, N]: committed + depth; padding: committed
         batch = _RowsBatch(self.cache, slots.reshape(-1), self.attention,
-                           tree_rows_mask(b.committed, b.tree_mask, self.capacity), b.positions, b.committed)
-        out = self.runner.model(input_ids=b.ids.view(1, R * N), position_ids=b.positions.view(1, R * N),
+                           tree_rows_mask(b.committed, tree_mask, self.capacity), positions, b.committed)
+        out = self.runner.model(input_ids=b.ids.view(1, R * N), position_ids=positions.view(1, R * N),
                                 use_cache=False, output_hidden_states=capture, treespec_batch=batch)
         logits = out.logits.view(R, N, -1)
         if not capture:

@@ -219,26 +219,34 @@ class PagedKVCache:
             self.write(layer, slots, kv[:, 0, layer], kv[:, 1, layer])
         self.seq_lens[seq] = n
 
-    def commit(self, seq: int, keep: torch.Tensor) -> None:
+    def commit(self, seq: int, keep) -> None:
         """Keep the KV at logical positions ``keep`` (ascending, all >= the committed
-        length L) as positions ``L, L+1, ...``; release the rest of the lookahead."""
-        keep = torch.as_tensor(keep, dtype=torch.int64)
+        length L; a list of ints, a range or an int64 tensor) as positions ``L, L+1, ...``;
+        release the rest of the lookahead. The bookkeeping runs on host ints: a tensor
+        ``keep`` is read once (``tolist``), a list not at all."""
+        keep = keep.tolist() if isinstance(keep, torch.Tensor) else [int(p) for p in keep]
         L = self.seq_lens[seq]
-        new_len = L + keep.numel()
-        if keep.numel():
-            if int(keep.min()) < L:
-                raise ValueError(f"commit would overwrite the committed prefix ({int(keep.min())} < {L})")
-            src = self._cpu_slots(seq, keep)
-            dst = self._cpu_slots(seq, torch.arange(L, new_len))
-            if not torch.equal(src, dst):
-                every = self._kv.view(2, len(self.k), -1, *self._kv.shape[4:])  # [2, layers, slots, Hkv, D]
-                # An index read copies first, so overlapping moves are safe; the destination is
-                # usually consecutive, and a slice is written with one copy.
-                to = as_slice(dst)
-                every[:, :, to if isinstance(to, slice) else to.to(self.device)] = every.index_select(
-                    2, src.to(self.device))
+        new_len = L + len(keep)
+        if keep and min(keep) < L:
+            raise ValueError(f"commit would overwrite the committed prefix ({min(keep)} < {L})")
+        src = self._host_slots(seq, keep)  # raises past the reserved positions
+        if keep != list(range(L, new_len)):  # else the kept entries are already in place
+            dst = self._host_slots(seq, range(L, new_len))
+            every = self._kv.view(2, len(self.k), -1, *self._kv.shape[4:])  # [2, layers, slots, Hkv, D]
+            # An index read copies first, so overlapping moves are safe; the destination is
+            # usually consecutive, and a slice is written with one copy.
+            consecutive = dst[-1] - dst[0] == len(dst) - 1 and all(b - a == 1 for a, b in zip(dst, dst[1:]))
+            to = slice(dst[0], dst[-1] + 1) if consecutive else torch.tensor(dst, device=self.device)
+            every[:, :, to] = every.index_select(2, torch.tensor(src, device=self.device))
         self.seq_lens[seq] = new_len
         self.truncate(seq, new_len)
+
+    def _host_slots(self, seq: int, positions) -> list[int]:
+        """Flat slots of logical ``positions`` (host ints) of ``seq``, as host ints."""
+        table, ps = self.page_tables[seq], self.page_size
+        if positions and max(positions) >= len(table) * ps:
+            raise IndexError(f"position {max(positions)} of sequence {seq} is not reserved")
+        return [table[p // ps] * ps + p % ps for p in positions]
 
     def truncate(self, seq: int, length: int) -> None:
         """Drop positions ``>= length`` and give back pages no longer needed (a block row's

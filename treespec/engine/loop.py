@@ -165,7 +165,7 @@ def _prefill(run: Run, rows: list[Request], cache, prefix_use: PrefixUse):
         logits_rows=[[len(x) - 1] for x in rest], capture=bool(run.runner.feature_layers),
     )
     for r, h in zip(rows, hits):
-        cache.commit(r.cache_seq, torch.arange(h, len(r.prompt)))
+        cache.commit(r.cache_seq, range(h, len(r.prompt)))
     prefix_use.record(range(len(rows)), hits, out.features)
     scores = [r.decoding.processed_scores(r.prompt, logits) for r, logits in zip(rows, out.logits)]
     for r, x in zip(rows, scores):
@@ -248,8 +248,9 @@ def _commit(run: Run, active: list[Request], verdicts: list[Verdict], features: 
         end = r.first_end(toks, run.eos)
         if end is not None:
             toks = toks[: end + 1]
-        path = torch.tensor(v.path[: len(toks)])  # the root and the accepted nodes whose KV is kept
-        cache.commit(r.cache_seq, cache.seq_lens[r.cache_seq] + path)
+        path = v.path[: len(toks)]  # the root and the accepted nodes whose KV is kept (host ints: no read back)
+        L = cache.seq_lens[r.cache_seq]
+        cache.commit(r.cache_seq, [L + i for i in path])
         r.sequence.extend(toks)
         r.done = end is not None or r.num_generated >= run.max_new_tokens
         tokens.append(toks)
