@@ -15,7 +15,7 @@ from treespec.cli import main as cli_main
 from treespec.train.magpie import (EvalOverlap, _chunk_done, captured_conversations, filter_follow_ups,
                                    filter_user_turns, generate_user_turns, normalise, user_turn_prefix)
 
-from tiny import save_tiny_lm
+from helpers.tiny import save_tiny_lm
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -18,7 +18,7 @@ from treespec.train import TrainConfig, train_eagle
 from treespec.train.data import DataStats, read_jsonl
 from treespec.train.trainer import _ttt_masks, draft_vocabulary
 
-from tiny import save_tiny_lm
+from helpers.tiny import save_tiny_lm
 
 
 @pytest.fixture(autouse=True)
@@ -181,7 +181,7 @@ def test_train_eagle_mistakes_answer_in_one_line(capsys, tmp_path, argv, expect)
 def chat_lm_dir(tmp_path_factory):
     """A tiny random chat llama whose next-token distributions are nearly flat (``peak=1``): the
     turns it samples end (EOS) and differ often enough for the filters to keep some (a tenth)."""
-    from tiny import CHATML
+    from helpers.tiny import CHATML
 
     return save_tiny_lm(tmp_path_factory.mktemp("chat-lm") / "lm", chat_template=CHATML, peak=1.0,
                         max_position_embeddings=512)

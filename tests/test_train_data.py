@@ -22,7 +22,7 @@ from treespec.train.data import read_jsonl as read_examples
 from treespec.train.data import tokenize_example
 from treespec.train.generated_prompts import EVAL_TEMPLATES, EVAL_TOPICS, chat_prompts, stdlib_code_prompts
 
-from tiny import save_tiny_lm
+from helpers.tiny import save_tiny_lm
 
 
 @pytest.fixture(autouse=True)

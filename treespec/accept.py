@@ -27,7 +27,7 @@ the drafter, the batch or how many tokens a step accepts, so a seed fixes the ou
 drafts are made (on one machine, dtype and thread count: ties of the rounding aside). The
 probability of accepting a node's children is the sum of their target probabilities, as with
 recursive rejection sampling against deterministic drafts, so acceptance is unchanged
-(``tests/rejection_sampling.py`` keeps that rule, the reference the tests compare with).
+(``tests/helpers/rejection_sampling.py`` keeps that rule, the reference the tests compare with).
 
 Each node's choice is :class:`RequestDecoding`'s: the request's processors, run with the node's
 own history (:class:`treespec.processing.NodeProcessor`), then its seed's noise.

@@ -13,9 +13,9 @@
 #      against a CUDA graph of the same level, k = 1, 4, 8; then treespec's own EagleSession
 #      with that head drafting eagle2 trees eager, on static passes, and replayed from CUDA
 #      graphs (cuda_graphs=True), whose trees must equal the static passes' (benchmarks/micro/draft_step_gpu.py);
-#   4. the CUDA tests, the least run first: the EAGLE head's CUDA graphs (tests/test_cuda_graphs.py),
-#      then greedy equality with HF generate on the GPU through every backend (tests/test_cuda.py)
-#      and flex (and FlashInfer) tree logits against the torch backend (tests/test_backends.py);
+#   4. the CUDA tests, the least run first: the EAGLE head's CUDA graphs (tests/gpu/test_cuda_graphs.py),
+#      then greedy equality with HF generate on the GPU through every backend (tests/gpu/test_cuda.py)
+#      and flex (and FlashInfer) tree logits against the torch backend (tests/model/test_backends.py);
 #      each test is named as it ends, so a step that runs out of time shows where.
 # Results, under $OUT if set, else benchmarks/results/gpu/: gpu_check.json (environment and
 # each step's exit status and time), verify_cost.json and .txt, draft_step.json and .txt,
@@ -45,7 +45,7 @@ DRAFT_LIMIT=${DRAFT_LIMIT:-80}    # seconds for step 3 (21 s on an H200 before i
 TESTS_LIMIT=${TESTS_LIMIT:-230}   # seconds for step 4 (106 s on an H200 before the graph tests)
 COST_SCRIPT=benchmarks/micro/verify_cost_gpu.py
 DRAFT_SCRIPT=benchmarks/micro/draft_step_gpu.py
-TESTS=(tests/test_cuda_graphs.py tests/test_cuda.py tests/test_backends.py)
+TESTS=(tests/gpu/test_cuda_graphs.py tests/gpu/test_cuda.py tests/model/test_backends.py)
 CARRY_LIMIT_MIB=${CARRY_LIMIT_MIB:-64}  # the most a GPU run may bring along
 
 if [ "${1:-}" = "--dry-run" ]; then

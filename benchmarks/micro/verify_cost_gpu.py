@@ -24,7 +24,7 @@ forward without treespec's runner, its paged cache or a tree.
 
 Feeds docs/benchmarks.md, "The first run (H200, 2026-12-04)"; run by
 benchmarks/figures/gpu_check.sh. ``--shape tiny --device cpu`` runs the same code in
-seconds on a CPU (tests/test_gpu_check.py).
+seconds on a CPU (tests/gpu/test_gpu_check.py).
 """
 
 from __future__ import annotations

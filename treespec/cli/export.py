@@ -6,7 +6,7 @@ from __future__ import annotations
 from .common import DEFAULT_DRAFT, UserError
 
 # treespec.export.ENGINES, spelled out: importing export loads torch, and this module is
-# imported to build `export --help` (tests/test_cli_startup.py checks the two agree).
+# imported to build `export --help` (tests/cli/test_cli_startup.py checks the two agree).
 EXPORT_ENGINES = ("vllm", "sglang", "eagle")
 
 
