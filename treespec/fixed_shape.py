@@ -25,7 +25,7 @@ on shapes that depend only on the bucket (4, 8, 16, 32 or 64 tokens a row) and o
 
 Trees past the largest bucket, or past their row, go through today's forward. With
 ``compile=True`` the forward runs through ``torch.compile(dynamic=False)``: one compile per
-bucket (and cache shape), none as the prefix grows (``tests/test_fixed_shape.py`` counts them).
+bucket (and cache shape), none as the prefix grows (``tests/model/test_fixed_shape.py`` counts them).
 
 Letters: R rows of the cache (one per request of the batch), N tokens of a bucket, n tree nodes,
 C a row's capacity, V vocabulary, F features, H query heads, Hkv key heads, D head dim.
@@ -110,7 +110,7 @@ def ancestor_masks(parents: torch.Tensor) -> torch.Tensor:
     :meth:`Tree.attention_mask` gives it. One step (a token and its parent) squared until it
     spans the longest possible path: ``log2(N)`` products of fixed shape, no loop over depths
     (whose count a tensor holds) and no read back to the host. fp32 products of 0/1 entries
-    summed over at most 64 terms are exact."""
+    are exact (sums of at most N ones)."""
     R, N = parents.shape
     idx = torch.arange(N, device=parents.device)
     reach = ((parents[:, :, None] == idx) | (idx[:, None] == idx)).float()  # [R, N, N]: itself and its parent

@@ -15,18 +15,21 @@ Targets are tiny (V = 64); fp32, one thread.
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import treespec
-from test_prefix_cache import pair
-from tiny import tiny_model
+from helpers.pairs import pair
+from helpers.tiny import tiny_model
 from treespec import PrefixCache, Tree
-from treespec.fixed_shape import BUCKETS, FixedShapeVerify, bucket_for, fixed_row_tokens, tree_rows_mask
+from treespec.fixed_shape import (BUCKETS, FixedShapeVerify, ancestor_masks, bucket_for, fixed_row_tokens,
+                                  tree_rows_mask)
 from treespec.mask import causal_mask
 from treespec.runner import FINAL_NORM, ModelRunner
 
@@ -172,6 +175,23 @@ def test_mask_by_hand():
                                 [1, 0, 0, 0, 1, 0, 0]]
 
 
+@settings(max_examples=40, **SETTINGS)
+@given(tree_list=st.lists(trees(64), min_size=1, max_size=3), bucket=st.sampled_from([64, 128]))
+def test_ancestor_masks_are_the_trees_masks(tree_list, bucket):
+    """Computed from parents on fixed shapes, each tree's mask is its Tree.attention_mask; a
+    padded token (parent -1) sees itself only."""
+    parents = torch.full((len(tree_list), bucket), -1)
+    for r, t in enumerate(tree_list):
+        parents[r, :t.num_nodes] = t.parents
+    got = ancestor_masks(parents)
+    for r, t in enumerate(tree_list):
+        n = t.num_nodes
+        want = torch.eye(bucket, dtype=torch.bool)
+        want[:n, :n] = t.attention_mask()
+        assert torch.equal(got[r], want)
+        assert torch.equal(got[r].sum(-1)[:n] - 1, t.depth)
+
+
 def test_a_wrong_committed_length_fails_the_comparison(monkeypatch):
     """The comparison has teeth: a mask that hides the last committed token changes the logits."""
     import treespec.fixed_shape as fs
@@ -306,3 +326,74 @@ def test_compiled_bf16_logits_are_eagers_within_bf16_rounding():
                 out = verify.forward(seqs, tree_list, [L])
         got.append(out.logits[0].float())
     assert (got[0] - got[1]).abs().max() <= 2e-2 * got[0].abs().max()
+
+
+# ---- reads back to the host (issue 47, item 4's proxy) -------------------------------------------
+
+# What waits for the device on a GPU: a scalar read (item, int(), bool()), a comparison that
+# answers in Python, an output whose size depends on the data; ``tolist`` is counted apart
+# (it does not go through the dispatcher).
+READS = ("_local_scalar_dense", "item", "is_nonzero", "equal", "nonzero")
+
+
+class _Counts(TorchDispatchMode):
+    """ATen operations dispatched, by region (``"verify"``: the loop's tree forward, the tree
+    mask and positions it is handed included; ``"rest"``: everything else of a step)."""
+
+    def __init__(self):
+        super().__init__()
+        self.region, self.ops = "rest", collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[self.region, func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+    def per_step(self, steps: int) -> dict:
+        reads = {r: sum(c for (w, op), c in self.ops.items() if w == r and (op in READS or op == "tolist"))
+                 for r in ("verify", "rest")}
+        ops = {r: sum(c for (w, _), c in self.ops.items() if w == r) for r in ("verify", "rest")}
+        return {f"{k} {r}": v / steps for k, d in (("reads", reads), ("ops", ops)) for r, v in d.items()}
+
+
+def counts_per_step(kind: str, fixed: bool, monkeypatch) -> dict:
+    """Reads and operations per decoding step (prefill left out) of one greedy generation."""
+    from treespec.engine import loop
+
+    model, drafter = pair(kind)
+    counts = _Counts()
+    real_forward, real_tolist = loop._tree_forward, torch.Tensor.tolist
+
+    def tree_forward(*args, **kw):
+        counts.region = "verify"
+        try:
+            return real_forward(*args, **kw)
+        finally:
+            counts.region = "rest"
+
+    def tolist(self):
+        counts.ops[counts.region, "tolist"] += 1
+        return real_tolist(self)
+
+    monkeypatch.setattr(loop, "_tree_forward", tree_forward)
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    steps = 0
+    with counts:
+        for out in treespec.stream(model, drafter, "cpu", [PROMPTS[0]], max_new_tokens=32, fixed_shapes=fixed,
+                                   attention_backend="torch"):
+            if out.step == 0:
+                counts.ops.clear()  # prefill and the draft session's start
+            steps = out.step
+    monkeypatch.undo()
+    return counts.per_step(steps)
+
+
+@pytest.mark.parametrize("kind", ["ngram", "hybrid"])
+def test_the_fixed_shape_verify_reads_nothing_back(kind, monkeypatch):
+    """Per decoding step of a tiny model: today's verify forward reads the host a dozen times
+    (slots, spans, the mask's depths), the fixed-shape one never; a step as a whole reads less.
+    Prints both."""
+    today = counts_per_step(kind, False, monkeypatch)
+    fixed = counts_per_step(kind, True, monkeypatch)
+    print(f"\n{kind}: per step, today's path {today}\n{kind}: per step, fixed shapes {fixed}")
+    assert fixed["reads verify"] == 0 < today["reads verify"]
+    assert fixed["reads verify"] + fixed["reads rest"] < today["reads verify"] + today["reads rest"]
