@@ -307,10 +307,17 @@ def test_compiled_forward_compiles_once_per_bucket_and_equals_eager():
 
 
 def test_generate_compiled_gives_todays_tokens():
+    """And a later call, other prompts and budget of the same row capacity, compiles nothing."""
+    import torch._dynamo.utils as dynamo_utils
+
     model, drafter = pair("eagle3")
-    want = treespec.generate(model, drafter, "chain-3", PROMPTS[:2], max_new_tokens=12)
-    got = treespec.generate(model, drafter, "chain-3", PROMPTS[:2], max_new_tokens=12, fixed_shapes="compile")
-    assert got.sequences == want.sequences
+    for prompts, budget in ((PROMPTS[:2], 12), (PROMPTS[1:], 14)):
+        want = treespec.generate(model, drafter, "chain-3", prompts, max_new_tokens=budget)
+        got = treespec.generate(model, drafter, "chain-3", prompts, max_new_tokens=budget, fixed_shapes="compile")
+        assert got.sequences == want.sequences
+        if budget == 12:
+            graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
 
 
 def test_compiled_bf16_logits_are_eagers_within_bf16_rounding():
