@@ -13,7 +13,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
-sys.path.insert(0, str(ROOT / "tests"))  # the layer table the import test checks
+sys.path.insert(0, str(ROOT / "tests" / "meta"))  # the layer table the import test checks
 
 from treespec import PRESETS  # noqa: E402
 from treespec.builder import Frontier, build_dynamic_trees  # noqa: E402
@@ -72,10 +72,10 @@ def cpu_example() -> Path:
 
 
 def architecture() -> Path:
-    """The layers of tests/layering.py as bands, bottom to top; each module (or package) a box
-    in its layer's order; an arrow from importer to imported, in the importer's colour, for
-    each import not implied by a chain of others (the transitive reduction: about half the
-    arrows, and what each box reaches is unchanged)."""
+    """The layers of tests/meta/layering.py as bands, bottom to top; each module (or package)
+    a box in its layer's order, a package's listing its modules; an arrow from importer to
+    imported, in the importer's colour, for each import not implied by a chain of others (the
+    transitive reduction: about half the arrows, and what each box reaches is unchanged)."""
     import networkx as nx
     from matplotlib.figure import Figure
     from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
@@ -96,6 +96,7 @@ def architecture() -> Path:
     arrows = nx.transitive_reduction(boxes)
 
     left, right, band_h, box_h = 2.9, 15.8, 1.0, 0.42
+    chars_per_unit = 18  # characters of a package's module list (fontsize 6.5) per unit of box width
     colours = ["#4c72b0", "#55a868", "#c44e52", "#8172b2", "#ccb974", "#64b5cd", "#8c8c8c"]
     fig = Figure(figsize=(16, 1.05 * len(layering.LAYERS) + 0.6), dpi=100)
     ax = fig.add_axes((0, 0, 1, 1))
@@ -103,7 +104,7 @@ def architecture() -> Path:
     ax.set_ylim(-0.15, len(layering.LAYERS) * band_h + 0.45)
     ax.axis("off")
 
-    pos, width, level = {}, {}, {}
+    pos, width, height, level, listing = {}, {}, {}, {}, {}
     for i, layer in enumerate(layering.LAYERS):
         y = i * band_h
         ax.add_patch(FancyBboxPatch((0.1, y + 0.04), right - 0.05, band_h - 0.08, facecolor=colours[i], alpha=0.10,
@@ -112,48 +113,68 @@ def architecture() -> Path:
                 color=colours[i])
         ax.text(0.25, y + band_h / 2 - 0.16, textwrap.fill(layer.purpose, 34), fontsize=7.5, va="center",
                 color="#444")
-        # Package boxes are wider, to list their modules.
-        w = [2.3 if e in subs else 1.5 if e == layering.ROOT else 1.15 for e in layer.modules]
+        w = _box_widths(layer.modules, subs, right - left, chars_per_unit)
         gap = (right - left - sum(w)) / len(w)
         x = left + gap / 2
         for entry, wi in zip(layer.modules, w):
             pos[entry], width[entry], level[entry] = (x + wi / 2, y + band_h / 2), wi, i
+            height[entry] = box_h
+            if entry in subs:  # a package lists its modules under its name, wrapped to the box
+                listing[entry] = textwrap.fill(" ".join(sorted(subs[entry])), int(wi * chars_per_unit))
+                height[entry] = max(box_h, 0.25 + 0.1 * (listing[entry].count("\n") + 1))
             x += wi + gap
 
     for a, b in sorted(arrows.edges):  # a fixed order, so the PNG is the same bytes each run
         (xa, ya), (xb, yb) = pos[a], pos[b]
         colour = colours[level[a]]
+        ha, hb = height[a] / 2, height[b] / 2
         if ya == yb:  # within a layer: an arc over the boxes between, higher the longer, inside the band
             rad = 2 * (0.08 + 0.025 * abs(xb - xa)) / abs(xb - xa)  # arc3 peaks rad * distance / 2 high
-            start, end, rad = (xa, ya + box_h / 2), (xb, yb + box_h / 2), rad if xb < xa else -rad
+            start, end, rad = (xa, ya + ha), (xb, yb + hb), rad if xb < xa else -rad
         elif yb > ya:  # up the layers: only an import EXCEPTIONS allows
-            start, end, rad = (xa, ya + box_h / 2), (xb, yb - box_h / 2), 0.0
+            start, end, rad = (xa, ya + ha), (xb, yb - hb), 0.0
         else:
-            start, end, rad = (xa, ya - box_h / 2), (xb, yb + box_h / 2), 0.0
+            start, end, rad = (xa, ya - ha), (xb, yb + hb), 0.0
         style = dict(color="#d62728", ls="--", lw=1.2) if (a, b) in exceptions else dict(color=colour, lw=1.1)
         ax.add_patch(FancyArrowPatch(start, end, connectionstyle=f"arc3,rad={rad}", arrowstyle="-|>",
                                      mutation_scale=10, alpha=0.8, zorder=1, **style))
 
     for entry, (x, y) in pos.items():
-        w = width[entry]
-        ax.add_patch(FancyBboxPatch((x - w / 2, y - box_h / 2), w, box_h, boxstyle="round,pad=0,rounding_size=0.06",
+        w, h = width[entry], height[entry]
+        ax.add_patch(FancyBboxPatch((x - w / 2, y - h / 2), w, h, boxstyle="round,pad=0,rounding_size=0.06",
                                     facecolor="white", edgecolor=colours[level[entry]], lw=1.2, zorder=2))
         if entry in subs:
-            ax.text(x, y + 0.09, f"{entry}/", ha="center", va="center", fontsize=10.5, weight="bold", zorder=3)
-            ax.text(x, y - 0.1, textwrap.fill(" ".join(sorted(subs[entry])), 44), ha="center", va="center",
-                    fontsize=6.5, color="#333", zorder=3)
+            ax.text(x, y + h / 2 - 0.11, f"{entry}/", ha="center", va="center", fontsize=10.5, weight="bold",
+                    zorder=3)
+            ax.text(x, y + h / 2 - 0.2, listing[entry], ha="center", va="top", fontsize=6.5, color="#333",
+                    linespacing=1.25, zorder=3)
         else:
             ax.text(x, y, "treespec/__init__" if entry == layering.ROOT else entry, ha="center", va="center",
                     fontsize=10, zorder=3)
 
     ax.text(0.25, len(layering.LAYERS) * band_h + 0.2,
-            "treespec's layers (tests/layering.py): a module imports only lower layers, and the modules listed "
+            "treespec's layers (tests/meta/layering.py): a module imports only lower layers, and the modules listed "
             "before it in its own.  Arrows: importer -> imported, those implied by a chain of others left out; "
             "dashed red: the one listed exception",
             fontsize=9.5, va="center")
     path = OUT / "architecture.png"
     fig.savefig(path)
     return path
+
+
+def _box_widths(entries, subs: dict[str, list[str]], room: float, chars_per_unit: float) -> list[float]:
+    """Each entry's box width in a band ``room`` wide: a module's fits its name (fontsize 10); a
+    package's shares what the modules leave (a gap of at least 0.12 a box), up to what lists its
+    modules on two lines, and at least 1.6."""
+    name = {layering.ROOT: "treespec/__init__"}
+    w = {e: max(0.85, 0.085 * len(name.get(e, e)) + 0.3) for e in entries if e not in subs}
+    packages = [e for e in entries if e in subs]
+    if packages:
+        share = (room - sum(w.values()) - 0.12 * len(entries)) / len(packages)
+        for e in packages:
+            wanted = len(" ".join(subs[e])) / (2 * chars_per_unit) + 0.4  # words wrap short of the width
+            w[e] = max(1.6, min(share, wanted, 4.5))
+    return [w[e] for e in entries]
 
 
 def main() -> None:
