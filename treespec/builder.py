@@ -111,6 +111,8 @@ def build_dynamic_trees(
         B trees with ``num_nodes`` drafted nodes each (fewer after an early stop), tokens and cumulative scores; nodes in
         pool order, so parents precede children.
     """
+    # long: one EAGLE-2 expansion, level by level; the frontier's tensors (scores, tokens, pool
+    # indices, state, ancestors, paths) and the pool change together at every level
     if config.kind != "dynamic":
         raise ValueError("build_dynamic_trees needs a dynamic TreeConfig")
     k, device = config.top_k, root_logprobs.device
@@ -212,9 +214,7 @@ def build_static_trees(
     depth, parents = shape.depth.to(device), shape.parents.to(device)
     if n > 1 and (depth[1:].diff() < 0).any():
         raise ValueError("static tree shape must be numbered level by level")
-    rank = torch.zeros(n, dtype=torch.int64, device=device)
-    for i, r in enumerate(_child_ranks(shape)):
-        rank[i] = r
+    rank = torch.tensor(_child_ranks(shape), dtype=torch.int64, device=device)  # [n]: rank among siblings
     full_anc = shape.attention_mask().to(device)
 
     tokens = torch.zeros(B, n, dtype=torch.int64, device=device)
@@ -250,9 +250,7 @@ def build_static_trees(
             path_idx = torch.nonzero(full_anc[nodes][:, 1:])[:, 1].view(nodes.numel(), d) + 1
             logp_of[d] = constrain(d, tokens[:, path_idx], logp_of[d].float())
 
-    return [
-        Tree(shape.parents, tokens[b].cpu(), scores[b].cpu()) for b in range(B)
-    ]
+    return [Tree(shape.parents, tokens[b].cpu(), scores[b].cpu()) for b in range(B)]
 
 
 def _child_ranks(shape: Tree) -> list[int]:

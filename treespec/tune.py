@@ -34,11 +34,14 @@ class TuneResult:
 
 
 def tune(model, drafter, prompts: Sequence[Sequence[int]], tree: TreeConfig | str = "auto", *,
-         max_new_tokens: int = 128, temperature: float = 0.0, top_k=None, top_p=None, min_p=None,
-         seed: int | None = 0, attention_backend: str = "auto", profile: AutoProfile | None = None,
-         refresh_costs: bool = False, callback: Callable[[int, int], None] | None = None) -> TuneResult:
+         seed: int | None = 0, profile: AutoProfile | None = None, refresh_costs: bool = False,
+         callback: Callable[[int, int], None] | None = None, **options) -> TuneResult:
     """Run ``drafter`` with an auto ``tree`` on each prompt, learning into ``profile`` (a
-    fresh one if None); ``callback(done, total)`` after each prompt."""
+    fresh one if None); ``callback(done, total)`` after each prompt. ``options`` are
+    :func:`~treespec.generate`'s (``max_new_tokens``, 128 unless given; ``temperature``,
+    ``top_k``, ``top_p``, ``min_p``, ``attention_backend``, ...); prompt ``i`` is sampled
+    with seed ``seed + i``."""
+    options.setdefault("max_new_tokens", 128)
     cfg = TreeConfig.preset(tree) if isinstance(tree, str) else tree
     if not cfg.auto:
         raise ValueError(f"tune needs an auto tree (e.g. 'auto' or TreeConfig.auto(...)), got {cfg.describe()}")
@@ -46,14 +49,13 @@ def tune(model, drafter, prompts: Sequence[Sequence[int]], tree: TreeConfig | st
     if refresh_costs:
         from .runner import ModelRunner
 
-        runner = ModelRunner(model, attention_backend)
+        runner = ModelRunner(model, options.get("attention_backend", "auto"))
         with runner.attached():
             profile.prepare(runner, cfg.max_tree_tokens + getattr(drafter, "extra_nodes", 0), refresh=True)
     result = TuneResult(profile)
     for i, p in enumerate(prompts):
-        out = generate(model, drafter, cfg, list(p), max_new_tokens=max_new_tokens, temperature=temperature,
-                       top_k=top_k, top_p=top_p, min_p=min_p, seed=None if seed is None else seed + i,
-                       attention_backend=attention_backend, auto_profile=profile)
+        out = generate(model, drafter, cfg, list(p), seed=None if seed is None else seed + i, auto_profile=profile,
+                       **options)
         m = out.metrics
         result.tree_sizes.extend(m.tree_sizes)
         result.num_generated += m.num_generated
@@ -69,17 +71,23 @@ def save_tune_plots(profile: AutoProfile, tree_sizes: Sequence[int], out_dir, pr
                     title: str = "") -> list[Path]:
     """Three PNGs: ``{prefix}cost_curve.png``, ``{prefix}calibration.png`` and
     ``{prefix}tree_sizes.png``. Returns the paths written."""
-    import numpy as np
-    from matplotlib.figure import Figure
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
-
-    def save(fig, name):
+    for name, draw in (("cost_curve", lambda: _cost_curve_figure(profile, title)),
+                       ("calibration", lambda: _calibration_figure(profile, title)),
+                       ("tree_sizes", lambda: _tree_sizes_figure(tree_sizes, title))):
+        fig = draw()
         fig.set_layout_engine("tight")
         paths.append(out_dir / f"{prefix}{name}.png")
         fig.savefig(paths[-1], format="png", dpi=100)
+    return paths
+
+
+def _cost_curve_figure(profile: AutoProfile, title: str):
+    """The measured verify forward per tree size, one decode step, the step as measured and
+    one draft level, in ms."""
+    from matplotlib.figure import Figure
 
     fig = Figure(figsize=(6.4, 4.0))
     ax = fig.add_subplot()
@@ -101,7 +109,15 @@ def save_tune_plots(profile: AutoProfile, tree_sizes: Sequence[int], out_dir, pr
                  f"{key.get('threads', '')} threads".strip(), fontsize=9)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
-    save(fig, "cost_curve")
+    return fig
+
+
+def _calibration_figure(profile: AutoProfile, title: str):
+    """Each calibration fitted against the prior, with the verified nodes per score bin."""
+    import numpy as np
+    from matplotlib.figure import Figure
+
+    from .drafters.hybrid import SOURCE_NAMES
 
     fig = Figure(figsize=(6.4, 4.0))
     ax = fig.add_subplot()
@@ -110,8 +126,6 @@ def save_tune_plots(profile: AutoProfile, tree_sizes: Sequence[int], out_dir, pr
     ax.plot(centres, profile.greedy.prior, color="#999999", ls="--", label="prior exp(score)")
     upper = np.array(profile.greedy.edges)
     lower = 2 * centres - upper  # each bar spans its bin
-    from .drafters.hybrid import SOURCE_NAMES
-
     own = "draft, " if profile.sources else ""  # the head's own nodes, beside a grafted lookup's
     curves = [(f"{own}greedy", profile.greedy), (f"{own}sampling", profile.sampling)]
     curves += [(f"{SOURCE_NAMES.get(k, k)}, {m}", c) for k, v in sorted(profile.sources.items()) for m, c in v.items()]
@@ -126,7 +140,12 @@ def save_tune_plots(profile: AutoProfile, tree_sizes: Sequence[int], out_dir, pr
     ax.set_title(f"calibration of draft scores\n{title}".strip(), fontsize=9)
     ax.legend(fontsize=7, loc="upper left")
     ax.grid(alpha=0.3)
-    save(fig, "calibration")
+    return fig
+
+
+def _tree_sizes_figure(tree_sizes: Sequence[int], title: str):
+    """The histogram of the tree sizes chosen."""
+    from matplotlib.figure import Figure
 
     fig = Figure(figsize=(6.4, 4.0))
     ax = fig.add_subplot()
@@ -138,5 +157,4 @@ def save_tune_plots(profile: AutoProfile, tree_sizes: Sequence[int], out_dir, pr
     ax.set_ylabel("request-steps")
     ax.set_title(f"tree sizes chosen (mean {mean:.1f}, {len(sizes)} steps)\n{title}".strip(), fontsize=9)
     ax.grid(axis="y", alpha=0.3)
-    save(fig, "tree_sizes")
-    return paths
+    return fig

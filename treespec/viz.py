@@ -83,26 +83,44 @@ def draw_tree(
     Returns:
         The matplotlib Figure drawn on.
     """
-    from matplotlib.collections import LineCollection
-    from matplotlib.figure import Figure
-
     text = _labels(tree, labels)
+    marked = _marked(tree, highlight)
+    x, y = tree_layout(tree)
+    width = max(x) + 1
+    rows = tree.max_depth + 1
+    if ax is None:
+        ax = _new_axes(width, rows, title)
+    _draw_edges(ax, tree, x, y, marked)
+    _draw_nodes(ax, text, x, y, marked, width)
+    _frame(ax, width, rows, title)
+    fig = ax.figure
+    if fig.get_layout_engine() is None:
+        fig.set_layout_engine("tight")
+    return fig
+
+
+def _marked(tree: Tree, highlight: Iterable[int] | None) -> set[int]:
     marked = set() if highlight is None else {int(i) for i in highlight}
     bad = sorted(i for i in marked if not 0 <= i < tree.num_nodes)
     if bad:
         raise ValueError(f"highlight names nodes {bad} outside the tree's 0..{tree.num_nodes - 1}")
-    x, y = tree_layout(tree)
-    width = max(x) + 1
-    rows = tree.max_depth + 1
+    return marked
 
-    if ax is None:
-        # Wide enough for the leaves and for the title's longest line (about 0.075 in/char).
-        title_w = 0.075 * max((len(s) for s in (title or "").splitlines()), default=0) + 0.6
-        fig_w = min(max(0.62 * width + 1.2, title_w, 3.5), 24.0)
-        fig = Figure(figsize=(fig_w, min(0.85 * rows + 0.9, 10.0)))
-        ax = fig.add_subplot()
-    else:
-        fig = ax.figure
+
+def _new_axes(width: float, rows: int, title: str | None) -> "Axes":
+    """Axes of a new figure sized to the tree: wide enough for the leaves and for the title's
+    longest line (about 0.075 in/char)."""
+    from matplotlib.figure import Figure
+
+    title_w = 0.075 * max((len(s) for s in (title or "").splitlines()), default=0) + 0.6
+    fig_w = min(max(0.62 * width + 1.2, title_w, 3.5), 24.0)
+    fig = Figure(figsize=(fig_w, min(0.85 * rows + 0.9, 10.0)))
+    return fig.add_subplot()
+
+
+def _draw_edges(ax: "Axes", tree: Tree, x: list[float], y: list[float], marked: set[int]) -> None:
+    """An edge from each node to its parent; bold where both ends are highlighted."""
+    from matplotlib.collections import LineCollection
 
     plain, bold = [], []
     for i, p in enumerate(tree.parents.tolist()[1:], start=1):
@@ -111,9 +129,12 @@ def draw_tree(
     ax.add_collection(LineCollection(plain, colors=_EDGE, linewidths=1.2, zorder=1))
     ax.add_collection(LineCollection(bold, colors=_HIGHLIGHT_EDGE, linewidths=3.2, zorder=2))
 
+
+def _draw_nodes(ax: "Axes", text: list[str], x: list[float], y: list[float], marked: set[int], width: float) -> None:
+    """Each node's label in a box, the highlighted ones in the contrasting colour."""
     # Shrink text as the tree widens so neighbouring labels stay apart.
     size = max(5.0, min(10.0, 130.0 / max(width, 1.0)))
-    for i in range(tree.num_nodes):
+    for i in range(len(text)):
         hot = i in marked
         ax.text(
             x[i], y[i], text[i],
@@ -127,6 +148,9 @@ def draw_tree(
             ),
         )
 
+
+def _frame(ax: "Axes", width: float, rows: int, title: str | None) -> None:
+    """Limits around the nodes, a "depth d" label per row and nothing else around them."""
     ax.set_xlim(-0.7, width - 0.3)
     ax.set_ylim(-(rows - 1) - 0.55, 0.55)
     ax.set_yticks([-d for d in range(rows)], [f"depth {d}" for d in range(rows)], fontsize=8)
@@ -136,9 +160,6 @@ def draw_tree(
         ax.spines[side].set_visible(False)
     if title is not None:
         ax.set_title(title, fontsize=10)
-    if fig.get_layout_engine() is None:
-        fig.set_layout_engine("tight")
-    return fig
 
 
 def save_tree_png(tree: Tree, path, *, dpi: int = 100, **kw) -> "Figure":

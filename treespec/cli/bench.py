@@ -10,9 +10,9 @@ import sys
 import time
 from pathlib import Path
 
-from .common import (DEFAULT_DRAFT, DEFAULT_SPEC, DEFAULT_TREE, DRAFT_HELP, Bars, UserError, add_auto_profile,
-                     add_dataset, add_model, add_runtime, add_sampling, auto_profile, generation_options, log,
-                     portable)
+from .bench_progress import journal_line, progress_display, resume_hint
+from .common import (DEFAULT_DRAFT, DEFAULT_SPEC, DEFAULT_TREE, DRAFT_HELP, UserError, add_auto_profile, add_dataset,
+                     add_model, add_runtime, add_sampling, auto_profile, generation_options, log, portable)
 
 # The configurations run when none is asked for: generate's default (the hybrid with auto
 # trees), the hybrid's chain-3 and the head alone with auto, the three to compare on a new
@@ -124,8 +124,8 @@ def run(args):
         args.dataset, tok, args.num_prompts, prompt_field=args.prompt_field, raw=args.raw), keep_packed=True)
     prompts, fmt = loaded.prompts
     out, journal = output_paths(args)
-    print(_journal_line(args, journal), file=sys.stderr, flush=True)
-    progress = _progress()
+    print(journal_line(args, journal), file=sys.stderr, flush=True)
+    progress = progress_display()
     try:
         res = run_bench(loaded.model, prompts, _configs(args, loaded, pairs, trees), max_new_tokens=args.max_new_tokens,
                         temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p, seed=args.seed,
@@ -193,25 +193,6 @@ def output_paths(args, now: float | None = None) -> tuple[Path, Path]:
     return out, out.with_suffix(".jsonl" if out.suffix != ".jsonl" else ".journal.jsonl")
 
 
-def _journal_line(args, journal: Path) -> str:
-    if args.journal is None and journal.exists():
-        return (f"treespec: resuming from {journal}, the journal a stopped run of this report left (delete it to "
-                f"start afresh)")
-    return (f"treespec: journal {journal}: a stopped run resumes from it with --journal {shlex.quote(str(journal))}"
-            + ("" if args.journal else "; removed once the report is written"))
-
-
-def resume_hint(args, journal: Path, total: int) -> str:
-    """What a stopped run says: how many prompts its journal keeps, and the exact command that
-    resumes from it (the command as given, with ``--journal`` where it had none)."""
-    kept = 0
-    if journal.exists():
-        kept = max(len(journal.read_text().splitlines()) - 1, 0)  # a header, then a line per prompt
-    argv = list(args.argv) + ([] if args.journal else ["--journal", str(journal)])
-    return (f"treespec: stopped with {kept} of {total} prompt(s) done, kept in {journal}; to resume:\n"
-            f"  treespec {shlex.join(argv)}")
-
-
 def _title(args, data: dict, prompts, fmt: str, sp) -> str:
     counts = {c: sum(p.category == c for p in prompts) for c in data.get("categories", [])}
     return _wrap(f"{args.model} on {data['dataset']} ({fmt} prompts): {len(prompts)} prompt(s)"
@@ -235,82 +216,6 @@ def _write(args, data: dict, report: str, out: Path) -> None:
                   else f"{Path(args.out).stem}-" if args.out else "bench-")
         for path in save_plots(data, args.plot_dir, prefix):
             print(f"wrote {path}")
-
-
-def _progress():
-    """Bars on a terminal; in a log (stderr redirected or piped), a line per finished prompt."""
-    if sys.stderr.isatty():
-        return Bars(lambda stage: "prompt" if stage == "prompts" else "config", leave=lambda stage: stage == "prompts",
-                    postfix=lambda p: p.config)
-    return PromptLines(sys.stderr)
-
-
-class PromptLines:
-    """The bench's progress where stderr is no terminal: one line per finished prompt, with each
-    configuration's tokens/s on it (and its speedup over the first, HF generate, and tau), the
-    time so far and an estimate of the time left; one line for the warm-up and one for the
-    prompts read back from a journal."""
-
-    def __init__(self, stream, clock=time.monotonic):
-        self.stream, self.clock = stream, clock
-        self.start = clock()
-        self.since = None  # when the first prompt this process runs began
-        self.ran = self.resumed = 0
-
-    def __call__(self, p) -> None:
-        if p.stage == "warmup" and p.done == p.total:
-            self._say(f"warm-up done: {p.total} configuration(s) in {_duration(self.clock() - self.start)}")
-        if p.stage != "prompts":
-            return
-        if p.config is not None:
-            self.since = self.clock() if self.since is None else self.since
-            return
-        if p.resumed:
-            self.resumed += 1
-            if p.done == p.total:
-                self._resumed()
-            return
-        self._resumed()
-        self.ran += 1
-        elapsed = self.clock() - (self.since if self.since is not None else self.start)
-        left = elapsed / self.ran * (p.total - p.done)
-        self._say(f"prompt {p.done}/{p.total}: {prompt_rates(p.runs)} [{_duration(elapsed)}"
-                  + (f", about {_duration(left)} left]" if p.done < p.total else "]"))
-
-    def _resumed(self) -> None:
-        if self.resumed:
-            self._say(f"{self.resumed} prompt(s) read back from the journal")
-            self.resumed = 0
-
-    def _say(self, line: str) -> None:
-        print(f"treespec: {line}", file=self.stream, flush=True)
-
-    def close(self) -> None:
-        self._resumed()
-
-
-def prompt_rates(runs: dict) -> str:
-    """One prompt's records as ``name 12.3 tok/s; name 25.1 (2.04x, tau 2.71); ...``: the
-    first, HF generate, is the baseline of the speedups."""
-    base = next(iter(runs.values())).tokens_per_second
-    cells = []
-    for k, (name, rec) in enumerate(runs.items()):
-        extra = [f"{rec.tokens_per_second / base:.2f}x"] if k and base > 0 else []
-        if rec.metrics is not None:
-            extra.append(f"tau {rec.metrics['mean_accepted_length']:.2f}")
-        cells.append(f"{name} {rec.tokens_per_second:.1f}" + (" tok/s" if not k else "")
-                     + (f" ({', '.join(extra)})" if extra else ""))
-    return "; ".join(cells)
-
-
-def _duration(seconds: float) -> str:
-    """``42s``, ``3m05s``, ``1h02m``."""
-    s = int(round(seconds))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def _per_category(counts: dict[str, int]) -> str:
