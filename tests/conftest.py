@@ -1,4 +1,9 @@
-"""Shared fixtures."""
+"""Fixtures every folder of tests may use: the tests' own treespec cache, one thread, the real
+SmolLM2 pair, tiny model folders for the command line, and a fresh flex_attention compiler.
+
+What tests share besides fixtures is in ``helpers/`` (tiny models, references, statistics,
+random trees, EAGLE heads written by hand); a test file opts into one thread with
+``pytestmark = pytest.mark.usefixtures("one_thread")``."""
 
 import os
 import shutil
@@ -42,7 +47,8 @@ def pytest_unconfigure(config):
 
 @pytest.fixture
 def one_thread(monkeypatch):
-    """Tiny models run faster on one thread, and tests then leave the other core alone."""
+    """Tiny models run faster on one thread, and tests then leave the other core alone. A file
+    of such tests says ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # so that the command line's default is one thread too
     n = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -61,6 +67,50 @@ def smollm2():
         return models.load("smollm2-135m-instruct")
     except models.ModelFetchError as err:
         pytest.skip(f"SmolLM2-135M-Instruct cannot be fetched here: {err}")
+
+
+@pytest.fixture(scope="module")
+def lm_dir(tmp_path_factory) -> str:
+    """A saved tiny llama folder with a byte-level tokenizer (``helpers.tiny.save_tiny_lm``), as
+    the command line takes it (``--model``); one per test module."""
+    from helpers.tiny import save_tiny_lm
+
+    return str(save_tiny_lm(tmp_path_factory.mktemp("tiny-lm")))
+
+
+@pytest.fixture(scope="module")
+def lm(lm_dir):
+    """(model, tokenizer) of :func:`lm_dir`."""
+    from treespec import models
+
+    return models.load(lm_dir)
+
+
+@pytest.fixture(scope="module")
+def chat_lm_dir(tmp_path_factory) -> str:
+    """A tiny model folder like :func:`lm_dir` with a ChatML template and 4,096 positions (a
+    conversation, or Spec-Bench's longest articles, fit)."""
+    from helpers.tiny import CHATML, save_tiny_lm
+
+    return str(save_tiny_lm(tmp_path_factory.mktemp("tiny-chat"), chat_template=CHATML, max_position_embeddings=4096))
+
+
+@pytest.fixture(scope="module")
+def chat_lm(chat_lm_dir):
+    """(model, tokenizer) of :func:`chat_lm_dir`."""
+    from treespec import models
+
+    return models.load(chat_lm_dir)
+
+
+@pytest.fixture(scope="module")
+def vocab16_model():
+    """A tiny llama over 16 tokens whose EOS is token 2: the processors' tests run options on it."""
+    from helpers.tiny import tiny_model
+
+    model = tiny_model(vocab=16)
+    model.generation_config.eos_token_id = 2
+    return model
 
 
 @pytest.fixture

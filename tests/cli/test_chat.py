@@ -18,43 +18,22 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 import treespec
 import treespec.engine
+from helpers.references import hf_greedy_text
+from helpers.tiny import CHATML, save_tiny_lm
 from treespec import cli, models
 from treespec.cli import chat as cli_chat
 from treespec.prompts import encode_conversation, encode_prompt
 
-from helpers.tiny import CHATML, save_tiny_lm
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is faster
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
        "OMP_NUM_THREADS": "1"}
 FLAGS = ["--draft", "ngram", "--tree", "chain-2", "--dtype", "float32", "--threads", "1"]
 STATS_ROW = re.compile(r"^ +(\d+) +(\d+) +(\S+) +(\d+) +([0-9.]+) +(\S+) +(\S+)( +stopped)?$")
-
-
-@pytest.fixture(autouse=True)
-def _one_thread(one_thread):
-    yield
-
-
-@pytest.fixture(scope="module")
-def lm_dir(tmp_path_factory):
-    return str(save_tiny_lm(tmp_path_factory.mktemp("tiny-chat"), chat_template=CHATML,
-                            max_position_embeddings=4096))
-
-
-@pytest.fixture(scope="module")
-def lm(lm_dir):
-    return models.load(lm_dir)
-
-
-def greedy(model, tok, ids: list[int], n: int) -> str:
-    x = torch.tensor([ids])
-    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False)
-    return tok.decode(out[0, len(ids):], skip_special_tokens=True)
 
 
 def stats_rows(text: str) -> list[tuple]:
@@ -120,9 +99,9 @@ class Terminal:
         return os.waitstatus_to_exitcode(status)
 
 
-def test_chat_in_a_terminal(lm_dir):
+def test_chat_in_a_terminal(chat_lm_dir):
     n = 300  # new tokens per answer: seconds with one token per forward, so Ctrl-C lands inside one
-    t = Terminal(["-m", "treespec.cli", "chat", "--model", lm_dir, "--draft", "none", "--tree", "chain-1",
+    t = Terminal(["-m", "treespec.cli", "chat", "--model", chat_lm_dir, "--draft", "none", "--tree", "chain-1",
                   "--dtype", "float32", "--threads", "1", "--max-new-tokens", str(n)])
     try:
         pos = t.expect("/help lists the commands, Ctrl-D or /exit ends")
@@ -161,8 +140,8 @@ def test_chat_in_a_terminal(lm_dir):
     assert "Traceback" not in t.screen
 
 
-def test_ctrl_c_at_the_prompt_ends_the_session(lm_dir):
-    t = Terminal(["-m", "treespec.cli", "chat", "--model", lm_dir, *FLAGS])
+def test_ctrl_c_at_the_prompt_ends_the_session(chat_lm_dir):
+    t = Terminal(["-m", "treespec.cli", "chat", "--model", chat_lm_dir, *FLAGS])
     try:
         t.expect(">>> ")
         # Not at once: a SIGINT between input() printing the prompt and readline waiting for keys
@@ -178,19 +157,19 @@ def test_ctrl_c_at_the_prompt_ends_the_session(lm_dir):
 # ---- piped -------------------------------------------------------------------------------
 
 
-def test_chat_piped_answers_the_conversation(lm, lm_dir):
+def test_chat_piped_answers_the_conversation(chat_lm, chat_lm_dir):
     """Each turn answers the whole conversation through the template, as HF generate does."""
-    model, tok = lm
+    model, tok = chat_lm
     n, u1, u2 = 12, "Once upon a time", "The dog ran"
     lines = [u1, "/stats", u2, "/nonsense", "/reset", u1, "/stats", "/help"]
-    p = subprocess.run([sys.executable, "-m", "treespec.cli", "chat", "--model", lm_dir, *FLAGS,
+    p = subprocess.run([sys.executable, "-m", "treespec.cli", "chat", "--model", chat_lm_dir, *FLAGS,
                         "--max-new-tokens", str(n)], input="".join(ln + "\n" for ln in lines),
                        capture_output=True, text=True, env=ENV, timeout=300)
     assert p.returncode == 0, p.stderr
     first = encode_conversation(tok, [u1], [], chat=True)
-    a1 = greedy(model, tok, first, n)
+    a1 = hf_greedy_text(model, tok, first, n)
     second = encode_conversation(tok, [u1, u2], [a1.strip()], chat=True)
-    a2 = greedy(model, tok, second, n)
+    a2 = hf_greedy_text(model, tok, second, n)
     assert p.stdout.startswith(a1 + "\n" + "turn  prompt")  # no prompt echoed off a terminal
     after_stats = p.stdout.index("tau: tokens per target forward\n") + len("tau: tokens per target forward\n")
     assert p.stdout[after_stats:].startswith(a2 + "\n" + a1 + "\n")  # /reset: the first question again
@@ -233,7 +212,7 @@ def encoded(monkeypatch):
 
 
 @pytest.mark.parametrize("steps_shown", [3, 0])
-def test_a_stopped_answer_stays_in_the_conversation(capsys, monkeypatch, encoded, lm_dir, steps_shown):
+def test_a_stopped_answer_stays_in_the_conversation(capsys, monkeypatch, encoded, chat_lm_dir, steps_shown):
     """Ctrl-C after some text keeps that text as the reply; before any, the message goes too."""
     real, calls = treespec.engine.stream, []
 
@@ -245,7 +224,7 @@ def test_a_stopped_answer_stays_in_the_conversation(capsys, monkeypatch, encoded
             yield out
 
     monkeypatch.setattr("treespec.engine.stream", stopped_once)
-    rc, out, err = run_chat(capsys, monkeypatch, ["first", "second"], "--model", lm_dir, *FLAGS,
+    rc, out, err = run_chat(capsys, monkeypatch, ["first", "second"], "--model", chat_lm_dir, *FLAGS,
                             "--system", "Be brief.", "--max-new-tokens", "20")
     assert rc == 0
     if steps_shown:
@@ -259,9 +238,9 @@ def test_a_stopped_answer_stays_in_the_conversation(capsys, monkeypatch, encoded
     assert err.rstrip().endswith("treespec: chat ended (end of input)")
 
 
-def test_the_context_bounds_each_answer(capsys, monkeypatch, lm, tmp_path):
+def test_the_context_bounds_each_answer(capsys, monkeypatch, chat_lm, tmp_path):
     """An answer stops at the model's context, and a conversation that fills it asks for /reset."""
-    tok = lm[1]
+    tok = chat_lm[1]
     room = 6
     small = save_tiny_lm(tmp_path / "small", chat_template=CHATML,
                          max_position_embeddings=len(encode_prompt(tok, "Once", chat=True)) + room)
@@ -272,14 +251,14 @@ def test_the_context_bounds_each_answer(capsys, monkeypatch, lm, tmp_path):
     assert [r[3] for r in stats_rows(out)] == [room]  # the second turn was not asked
 
 
-def test_the_prefix_cache_serves_the_second_turn_and_changes_no_answer(capsys, monkeypatch, lm_dir):
+def test_the_prefix_cache_serves_the_second_turn_and_changes_no_answer(capsys, monkeypatch, chat_lm_dir):
     """The session's PrefixCache (issue 28): the second turn reads the first from the cache
     (hit tokens in /stats), and the answers are those of a chat without a cache."""
     turns = ["one", "two", "/stats"]
-    rc, cached, _ = run_chat(capsys, monkeypatch, turns, "--model", lm_dir, *FLAGS, "--prefix-cache-mb", "64",
+    rc, cached, _ = run_chat(capsys, monkeypatch, turns, "--model", chat_lm_dir, *FLAGS, "--prefix-cache-mb", "64",
                              "--max-new-tokens", "8")
     assert rc == 0
-    rc, plain, _ = run_chat(capsys, monkeypatch, turns, "--model", lm_dir, *FLAGS, "--prefix-cache-mb", "0",
+    rc, plain, _ = run_chat(capsys, monkeypatch, turns, "--model", chat_lm_dir, *FLAGS, "--prefix-cache-mb", "0",
                             "--max-new-tokens", "8")
     assert rc == 0
     def answers(out):  # everything but /stats' rows (its header is the same either way)
@@ -294,8 +273,8 @@ def test_the_prefix_cache_serves_the_second_turn_and_changes_no_answer(capsys, m
 # ---- --system and the checks before loading -----------------------------------------------
 
 
-def test_system_prompt_comes_first(lm):
-    tok = lm[1]
+def test_system_prompt_comes_first(chat_lm):
+    tok = chat_lm[1]
     ids = encode_conversation(tok, ["hi", "more"], ["hello"], chat=True, system="Be brief.")
     assert tok.decode(ids) == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
                                "<|im_start|>assistant\nhello<|im_end|>\n<|im_start|>user\nmore<|im_end|>\n"
@@ -304,12 +283,12 @@ def test_system_prompt_comes_first(lm):
         == "Be brief.\n\nhi"
 
 
-def test_generate_chat_with_a_system_prompt(capsys, lm, lm_dir):
-    rc = cli.main(["generate", "--model", lm_dir, *FLAGS, "--chat", "Hi", "--system", "Be brief.",
+def test_generate_chat_with_a_system_prompt(capsys, chat_lm, chat_lm_dir):
+    rc = cli.main(["generate", "--model", chat_lm_dir, *FLAGS, "--chat", "Hi", "--system", "Be brief.",
                    "--max-new-tokens", "8"])
     out = capsys.readouterr().out
     assert rc == 0
-    assert out == greedy(*lm, encode_prompt(lm[1], "Hi", chat=True, system="Be brief."), 8) + "\n"
+    assert out == hf_greedy_text(*chat_lm, encode_prompt(chat_lm[1], "Hi", chat=True, system="Be brief."), 8) + "\n"
 
 
 @pytest.mark.parametrize("argv, expect", [
@@ -361,11 +340,11 @@ sys.exit(code)
 
 
 @pytest.mark.parametrize("log_file", [False, True])
-def test_a_chat_measures_once_and_keeps_log_lines_out_of_the_conversation(lm_dir, tmp_path, log_file):
+def test_a_chat_measures_once_and_keeps_log_lines_out_of_the_conversation(chat_lm_dir, tmp_path, log_file):
     """Issue 50: chat measured the verify cost again on every turn (a noisy curve is not cached
     on disk) and printed the log block into the conversation each time."""
     log = tmp_path / "chat.log"
-    argv = ["chat", "--model", lm_dir, "--draft", "ngram", "--tree", "auto", "--dtype", "float32", "--threads", "1",
+    argv = ["chat", "--model", chat_lm_dir, "--draft", "ngram", "--tree", "auto", "--dtype", "float32", "--threads", "1",
             "--max-new-tokens", "6", "--prefix-cache-mb", "0", *(["--log-file", str(log)] if log_file else [])]
     p = subprocess.run([sys.executable, "-c", NOISY_CHAT, *argv], input="Once upon a time\nThe dog ran\n/stats\n",
                        capture_output=True, text=True, env=ENV, timeout=300, cwd=tmp_path)

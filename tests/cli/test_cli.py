@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from treespec import cli, models
+from treespec import cli
 from treespec.assets import DRAFTS
 from treespec.bench import format_table
 from treespec.cli.bench import bench_pairs as _bench_pairs
@@ -22,17 +22,15 @@ from treespec.cli.common import portable as _portable
 from treespec.drafters import RecordingDrafter
 from treespec.text import TextStream
 
-from helpers.tiny import CHATML, STORIES260K_MISSING, save_tiny_lm, stories260k_gguf, tiny_model
+from helpers.references import hf_greedy_text
+from helpers.tiny import STORIES260K_MISSING, stories260k_gguf, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is faster
 
 PNG = b"\x89PNG\r\n\x1a\n"
 SHIPPED = "smollm2-135m-instruct-eagle"
 
 needs_stories = pytest.mark.skipif(stories260k_gguf() is None, reason=STORIES260K_MISSING)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread(one_thread):
-    yield
 
 
 def run(capsys, *argv):
@@ -48,23 +46,6 @@ def error_line(err: str) -> str:
     assert lines[0].startswith("treespec: error: "), lines[0]
     assert "Traceback" not in err
     return lines[0]
-
-
-@pytest.fixture(scope="module")
-def lm_dir(tmp_path_factory):
-    """A saved tiny model folder, given to the CLI as ``--model``."""
-    return str(save_tiny_lm(tmp_path_factory.mktemp("tiny-lm")))
-
-
-@pytest.fixture(scope="module")
-def lm(lm_dir):
-    return models.load(lm_dir)
-
-
-def greedy_text(model, tok, prompt: str, n: int) -> str:
-    ids = torch.tensor([tok(prompt)["input_ids"]])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
-    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
 # ---- argument handling ------------------------------------------------------------------
@@ -220,7 +201,7 @@ def test_generate_ngram_streams_the_greedy_continuation(capsys, caplog, monkeypa
     rc, out, err = run(capsys, "generate", "--model", lm_dir, "--draft", "ngram", "--tree", "auto",
                        "--prompt", "Once upon a time", "--max-new-tokens", "16")
     assert rc == 0
-    expected = greedy_text(*lm, "Once upon a time", 16)
+    expected = hf_greedy_text(*lm, "Once upon a time", 16)
     assert len(expected) > 10
     assert out.startswith(expected)
     summary = [ln for ln in err.splitlines() if "tokens/s" in ln]
@@ -269,7 +250,7 @@ def test_generate_reads_a_piped_prompt(lm, lm_dir):
                         "--tree", "chain-2", "--max-new-tokens", "8"], input="Once upon a time\n",
                        capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr
-    assert p.stdout.startswith(greedy_text(*lm, "Once upon a time", 8))  # no chat template: plain text
+    assert p.stdout.startswith(hf_greedy_text(*lm, "Once upon a time", 8))  # no chat template: plain text
     assert "the prompt from stdin (16 characters), as plain text" in p.stderr
 
 
@@ -281,7 +262,7 @@ def test_generate_prompt_file_and_the_built_in_prompt_said(capsys, monkeypatch, 
     rc, out, err = run(capsys, "generate", "--model", lm_dir, "--draft", "ngram", "--tree", "chain-2",
                        "--max-new-tokens", "8", "--prompt-file", str(f))
     assert rc == 0, err
-    assert out.startswith(greedy_text(*lm, "Once upon a time", 8))
+    assert out.startswith(hf_greedy_text(*lm, "Once upon a time", 8))
     assert f"the prompt from --prompt-file {f}" in err
     monkeypatch.setattr("sys.stdin", io.StringIO(""))  # an empty pipe (< /dev/null): no prompt given
     rc, _, err = run(capsys, "generate", "--model", lm_dir, "--draft", "ngram", "--tree", "chain-2",
@@ -301,7 +282,7 @@ def test_generate_with_head_directory_and_model_draft(capsys, lm, lm_dir, tmp_pa
     model, _ = lm
     torch.manual_seed(0)
     EagleHead.for_target(model, eagle3=True).save_pretrained(tmp_path / "head")
-    expected = greedy_text(*lm, "Once upon a time", 12)
+    expected = hf_greedy_text(*lm, "Once upon a time", 12)
     for draft in (str(tmp_path / "head"), f"model:{lm_dir}"):
         rc, out, err = run(capsys, "generate", "--model", lm_dir, "--draft", draft, "--tree", "cpu-tiny",
                            "--prompt", "Once upon a time", "--max-new-tokens", "12")
@@ -445,13 +426,12 @@ def table_blocks(text: str) -> list[list[str]]:
     return [re.split(r"\s{2,}", lines[k - 1].strip()) for k, ln in enumerate(lines) if k and set(ln) == {"-"}]
 
 
-def test_bench_spec_bench_leaderboard_table_legend_json_and_png(capsys, tmp_path, tmp_path_factory):
+def test_bench_spec_bench_leaderboard_table_legend_json_and_png(capsys, tmp_path, chat_lm_dir):
     """--dataset spec-bench: one question per category (--num-prompts is per category), the
     conversation's two turns; the leaderboard's table and the details, within 100 columns, a
     legend naming every column; per-category JSON; the grouped-bar PNG."""
-    lm = save_tiny_lm(tmp_path_factory.mktemp("tiny-chat"), chat_template=CHATML, max_position_embeddings=4096)
     out = tmp_path / "sb.json"
-    rc, stdout, err = run(capsys, "bench", "--model", str(lm), "--dataset", "spec-bench", "--num-prompts", "1",
+    rc, stdout, err = run(capsys, "bench", "--model", chat_lm_dir, "--dataset", "spec-bench", "--num-prompts", "1",
                           "--max-new-tokens", "4", "--config", "ngram@cpu-tiny", "--no-warmup",
                           "--out", str(out), "--plot-dir", str(tmp_path / "plots"))
     assert rc == 0, err
@@ -465,7 +445,7 @@ def test_bench_spec_bench_leaderboard_table_legend_json_and_png(capsys, tmp_path
         assert c["overall_speedup"] == pytest.approx(sum(c["categories"][k]["speedup"] for k in cats) / 6)
     assert (tmp_path / "plots" / "sb-speedup_by_category.png").read_bytes()[:8] == PNG
     assert "6 prompt(s), 1 per category, 4 new tokens a turn" in " ".join(stdout.split())
-    assert max(len(ln) for ln in stdout.splitlines() if str(lm) not in ln and not ln.startswith("wrote ")) <= 100
+    assert max(len(ln) for ln in stdout.splitlines() if chat_lm_dir not in ln and not ln.startswith("wrote ")) <= 100
     table, legend = stdout.split("greedy\n", 1)[1].rsplit("\n\nconfig ", 1)  # the legend comes last
     leaderboard, details = table_blocks(table)
     assert leaderboard == ["config", "conv", "transl", "summ", "qa", "math", "rag", "tau", "overall",
@@ -600,7 +580,7 @@ def test_bench_progress_lines_estimate_the_time_left():
     import io
 
     from treespec.bench import BenchProgress, RunRecord
-    from treespec.cli.bench import PromptLines
+    from treespec.cli.bench_progress import PromptLines
 
     now = [100.0]
     stream = io.StringIO()
@@ -848,7 +828,7 @@ def test_generation_option_flags_reach_generate_and_every_bench_configuration(ca
     hf = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
                         repetition_penalty=1.5, no_repeat_ngram_size=2)
     expected = tok.decode(hf[0, ids.shape[1]:], skip_special_tokens=True)
-    assert expected != greedy_text(model, tok, "Once upon a time", 16)  # the options matter here
+    assert expected != hf_greedy_text(model, tok, "Once upon a time", 16)  # the options matter here
     rc, out, err = run(capsys, "generate", "--model", lm_dir, "--draft", "ngram", "--tree", "cpu",
                        "--prompt", "Once upon a time", "--max-new-tokens", "16", *flags)
     assert rc == 0, err

@@ -23,6 +23,8 @@ from treespec.models import LoadProgress
 
 from helpers.tiny import save_tiny_lm
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is faster
+
 REPO = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "transformers", "numpy")
 
@@ -44,11 +46,6 @@ def one_line(err: str) -> str:
     assert len(lines) == 1, f"expected one line, got {lines}"
     assert "Traceback" not in err
     return lines[0]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread(one_thread):
-    yield
 
 
 # ---- start-up ---------------------------------------------------------------------------

@@ -12,26 +12,13 @@ import logging
 import pytest
 import torch
 
-from treespec import models
 from treespec.bench import BenchConfig, format_table, run_bench, to_json
 from treespec.config import TreeConfig
 from treespec.drafters import NgramDrafter
 from treespec.prompts import (MT_BENCH_CATEGORIES, SPEC_BENCH_CATEGORIES, Prompt, dataset_file, load_bench_prompts,
                               load_prompts, spec_bench_questions)
 
-from helpers.tiny import CHATML, save_tiny_lm
-
-
-@pytest.fixture(autouse=True)
-def _one_thread(one_thread):
-    yield
-
-
-@pytest.fixture(scope="module")
-def chat_lm(tmp_path_factory):
-    """(model, tokenizer): Spec-Bench's long articles (about 2,600 tokens here) fit its positions."""
-    path = save_tiny_lm(tmp_path_factory.mktemp("tiny-chat"), chat_template=CHATML, max_position_embeddings=4096)
-    return models.load(str(path))
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is faster
 
 
 # ---- which questions ----------------------------------------------------------------------

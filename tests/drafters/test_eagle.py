@@ -29,6 +29,7 @@ from safetensors import safe_open
 import treespec
 from helpers.eagle_heads import (E3_LAYERS, H, V, VD, draft_vocab, eagle1_checkpoint, eagle3_checkpoint, eagle_target,
                                  hf_features, informed_eagle1_checkpoint, stored, write_head)
+from helpers.references import hf_greedy
 from helpers.tiny import assert_sessions_draft_alike, dynamic_configs, tiny_model
 from treespec import TreeConfig
 from treespec.drafters.base import DraftStart
@@ -37,6 +38,8 @@ from treespec.drafters.eagle_head import EagleHead, eagle3_feature_layers
 from treespec.drafters.eagle_passes import PackedPasses, RowPasses, StaticRowPasses
 from treespec.mask import causal_mask
 from treespec.runner import FINAL_NORM, ModelRunner
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is faster
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -115,12 +118,6 @@ class DenseHead:
         return (h @ self.target_lm_head.T).log_softmax(-1)
 
 
-def hf_greedy(model, prompt, n):
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
-    return out[0, len(prompt):].tolist()
-
-
 def start(drafter, model, prompts, first, cfg=TreeConfig.chain(2), max_new=32):
     """An EagleSession as the engine starts it, with features computed from scratch."""
     layers = drafter.features_for(model)
@@ -133,15 +130,6 @@ def draft_len(session, r: int) -> int:
 
 
 # ---- fixtures -------------------------------------------------------------------------------
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These models are tiny: one thread is faster, and far faster on a shared machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     """Hand-written checkpoints, one directory per (layout, seed, file format)."""
@@ -511,17 +499,13 @@ def test_generate_draft_extend_equals_fresh_prefill(ckpts, kind):
 # ---- greedy equality ------------------------------------------------------------------------
 
 
-def random_dynamic():
-    return dynamic_configs(max_top_k=4, max_nodes=16)
-
-
 @settings(max_examples=16, **SETTINGS)
 @given(
     kind=st.sampled_from(["eagle1", "informed", "eagle3", "eagle3-vllm"]),
     seed=st.integers(0, 2),
     family=st.sampled_from(["llama", "qwen2"]),
     prompts=st.lists(st.lists(st.integers(0, V - 1), min_size=1, max_size=12), min_size=1, max_size=3),
-    tree_cfg=st.one_of(st.sampled_from(["chain-2", "cpu", "eagle1"]), random_dynamic()),
+    tree_cfg=st.one_of(st.sampled_from(["chain-2", "cpu", "eagle1"]), dynamic_configs(max_top_k=4, max_nodes=16)),
     max_new=st.integers(1, 20),
     fmt=st.sampled_from(["safetensors", "bin"]),
 )

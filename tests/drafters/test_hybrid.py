@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import treespec
 from helpers.tiny import save_tiny_lm, tiny_model
+from helpers.trees import token_paths
 from treespec import AutoProfile, Tree
 from treespec.auto import AutoController, choice_order, choose_tree, node_probs
 from treespec.calibration import Calibration
@@ -24,13 +25,10 @@ from treespec.costs import CostCurve
 from treespec.drafters import HybridDrafter, ModelDrafter, NgramDrafter
 from treespec.drafters.hybrid import AGREED, LOOKUP, PRIMARY, merge_trees
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is faster
+
 FLAT = CostCurve((1, 128), (1.0, 1.0))
 MID = CostCurve((1, 2, 128), (1.0, 1.25, 32.75))
-
-
-@pytest.fixture(autouse=True)
-def _one_thread(one_thread):
-    yield
 
 
 @st.composite
@@ -50,15 +48,6 @@ def token_trees(draw, max_nodes=10, vocab=4):
         tokens.append(t)
         scores.append(scores[p] - draw(st.floats(0.0, 2.0)))
     return Tree(parents, tokens, scores)
-
-
-def token_paths(t: Tree) -> dict[tuple, int]:
-    """Each node's token path from the root (root excluded) -> node index."""
-    paths, out = [()], {}
-    for i in range(1, t.num_nodes):
-        paths.append(paths[int(t.parents[i])] + (int(t.tokens[i]),))
-        out[paths[i]] = i
-    return out
 
 
 @settings(max_examples=200, deadline=None)

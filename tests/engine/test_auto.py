@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import treespec
-from helpers.tiny import save_tiny_lm, tiny_model
+from helpers.references import hf_greedy
+from helpers.tiny import tiny_model
 from treespec import AutoProfile, Tree, TreeConfig
 from treespec import costs as costs_mod
 from treespec.auto import AutoController, best_sizes, choice_order, choose_tree, choose_trees, keep_drafting
@@ -26,14 +27,11 @@ from treespec.drafters import ModelDrafter, NgramDrafter
 from treespec.drafters.ngram import trie_tree
 from treespec.runner import ModelRunner
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is faster
+
 FLAT = CostCurve((1, 128), (1.0, 1.0))  # a GPU-like verify: any tree costs one step
 STEEP = CostCurve((1, 2, 128), (1.0, 2.0, 128.0))  # every extra token costs a whole step
 MID = CostCurve((1, 2, 128), (1.0, 1.25, 32.75))  # every extra token costs a quarter step
-
-
-@pytest.fixture(autouse=True)
-def _one_thread(one_thread):
-    yield
 
 
 def exact() -> Calibration:
@@ -545,11 +543,6 @@ def test_ngram_scores_are_log_shares_decayed_by_depth():
 # ---- through the engine ------------------------------------------------------------------
 
 
-def hf_greedy(model, prompt, n):
-    ids = torch.tensor([prompt])
-    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)[0, len(prompt):].tolist()
-
-
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1], [50, 51, 52]]
 
 
@@ -676,11 +669,6 @@ def test_the_shipped_head_carries_its_calibration():
 
 
 # ---- command line ------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def lm_dir(tmp_path_factory):
-    return str(save_tiny_lm(tmp_path_factory.mktemp("tiny-lm")))
 
 
 def test_tune_writes_a_profile_and_pictures_and_bench_reads_it(capsys, monkeypatch, tmp_path, lm_dir):

@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import treespec
-from helpers.tiny import dynamic_configs, tiny_model
+from helpers.references import hf_greedy
+from helpers.tiny import dynamic_configs, model_cache, tiny_model
 from treespec import AutoProfile, Tree, TreeConfig
 from treespec.costs import CostCurve
 from treespec.drafters.base import DraftSession, Drafter
@@ -29,27 +30,13 @@ from treespec.drafters.ngram import NgramDrafter
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
-
-@functools.lru_cache(maxsize=None)
-def target(family: str, seed: int, **extra):
-    return tiny_model(family, seed, **extra)
+target = model_cache()
+twin = model_cache()  # the target's weights under a separate config object (so acceptance is ~100%)
 
 
 @functools.lru_cache(maxsize=None)
 def weak_draft(family: str, seed: int):
     return tiny_model(family, seed + 1000, layers=1)
-
-
-@functools.lru_cache(maxsize=None)
-def twin(family: str, seed: int, **extra):
-    """The target's weights under a separate config object (so acceptance is ~100%)."""
-    return tiny_model(family, seed, **extra)
-
-
-def hf_greedy(model, prompt: list[int], n: int, **kw) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, **kw)
-    return out[0, len(prompt):].tolist()
 
 
 @functools.lru_cache(maxsize=None)
@@ -77,20 +64,16 @@ def random_static(draw):
     return TreeConfig.static(Tree(parents).to_paths())
 
 
-def random_dynamic():
-    return dynamic_configs(max_top_k=3, max_nodes=12)
-
-
 def random_auto():
     """The "auto" presets, or auto sizing within a random dynamic maximum, either objective."""
-    sized = st.tuples(random_dynamic(), st.sampled_from(["step", "rate"]))
+    sized = st.tuples(dynamic_configs(max_top_k=3, max_nodes=12), st.sampled_from(["step", "rate"]))
     return st.one_of(st.sampled_from(["auto", "auto-rate"]),
                      sized.map(lambda c: TreeConfig.auto(c[0].depth, c[0].top_k, c[0].num_nodes, c[1])))
 
 
 tree_configs = st.one_of(
     st.sampled_from(["chain-1", "chain-3", "cpu", "cpu-tiny", "eagle1"]),
-    random_dynamic(),
+    dynamic_configs(max_top_k=3, max_nodes=12),
     random_static(),
     random_auto(),
 )

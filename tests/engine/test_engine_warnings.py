@@ -23,10 +23,7 @@ from treespec.drafters.model import ModelDrafter
 from treespec.drafters.ngram import NgramDrafter
 from treespec.engine.loop import _AcceptanceWatch
 
-
-@pytest.fixture(autouse=True)
-def _one_thread(one_thread):
-    yield
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is faster
 
 
 @pytest.fixture(scope="module")

@@ -26,20 +26,17 @@ from transformers.generation.stopping_criteria import MaxLengthCriteria, Stoppin
 
 import treespec
 from helpers.stats import chi_square
-from test_sampling_engine import E2E_PROMPT, E2E_V, soft_model, twin
-from helpers.tiny import dynamic_configs, tiny_model
-from treespec import AutoProfile, TreeConfig
+from helpers.tiny import dynamic_configs, soft_model, tiny_model
+from treespec import AutoProfile
 from treespec.costs import CostCurve
 from treespec.drafters import HybridDrafter, ModelDrafter, NgramDrafter
 from treespec.processing import NodeProcessor, exact_generation_config
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is faster
+
 V = 64
+SAMPLED_V = 8  # the distribution test's vocabulary: few enough outcomes for a chi-square test
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-
-
-@pytest.fixture(autouse=True)
-def _one_thread(one_thread):
-    yield
 
 
 @functools.lru_cache(maxsize=None)
@@ -242,8 +239,8 @@ PENALTY_PROMPT = [0, 1, 2, 3, 4, 5, 0, 2, 4, 1, 3, 5, 0]
 
 @pytest.mark.parametrize("tree", ["cpu", "auto"])
 def test_sampling_with_penalties_has_the_processed_distribution(tree):
-    model = soft_model(1, vocab=E2E_V, peak=6.0)
-    draft = ModelDrafter(twin(1, vocab=E2E_V, peak=6.0))
+    model = soft_model(1, vocab=SAMPLED_V, peak=6.0)
+    draft = ModelDrafter(soft_model(1, vocab=SAMPLED_V, peak=6.0, copy=1))
     N, opts = 400, dict(temperature=0.9, top_k=6, repetition_penalty=1.8, no_repeat_ngram_size=2)
     profile = AutoProfile(costs=CostCurve((1, 4096), (1.0, 1.0 + 0.001 * 4095)))
     out = treespec.generate(model, draft, tree, [PENALTY_PROMPT] * N, max_new_tokens=3, seed=123,

@@ -35,6 +35,8 @@ from treespec.drafters.model import ModelDrafter
 from treespec.drafters.ngram import NgramDrafter
 from treespec.runner import ModelRunner
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is faster
+
 PINNED = Path(__file__).with_name("loop_pinned.json")
 MID = CostCurve((1, 2, 128), (1.0, 1.25, 32.75))  # every extra token costs a quarter step
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1], [50, 51, 52], [7, 7, 9, 7, 7]]
@@ -148,11 +150,6 @@ def run_case(name: str, monkeypatch) -> dict:
         result["profile"] = {k: learned[k] for k in ("level_seconds", "step_overhead", "step_slope",
                                                       "step_moments", "greedy", "sampling", "sources")}
     return json.loads(json.dumps(result))
-
-
-@pytest.fixture(autouse=True)
-def _one_thread(one_thread):
-    yield
 
 
 @pytest.mark.parametrize("name", sorted(_cases()))

@@ -35,12 +35,7 @@ V = 64
 SETTINGS = dict(deadline=None, derandomize=True,  # fixed examples: a float near-tie cannot make a flaky run
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 # Random heads and draft models rarely draft right; that is not what these tests are about.
-pytestmark = pytest.mark.filterwarnings("ignore:the model accepted none")
-
-
-@pytest.fixture(autouse=True)
-def _one_thread(one_thread):
-    yield
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore:the model accepted none")]
 
 
 def token_bytes(model) -> int:

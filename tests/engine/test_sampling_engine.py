@@ -10,32 +10,19 @@ HF ``generate(do_sample=True, ...)`` samples from.
 
 from __future__ import annotations
 
-import functools
 
 import pytest
 import torch
 
 import treespec
 from helpers.stats import chi_square
-from helpers.tiny import tiny_model
+from helpers.tiny import soft_model, tiny_model
 from treespec import AutoProfile, SamplingParams, TreeConfig
 from treespec.costs import CostCurve
 from treespec.drafters.model import ModelDrafter
 from treespec.drafters.hybrid import HybridDrafter
 from treespec.drafters.ngram import NgramDrafter
 from treespec.accept import RequestDecoding
-
-
-@functools.lru_cache(maxsize=None)
-def soft_model(seed: int = 0, vocab: int = 64, peak: float = 3.0):
-    """Flat enough next-token distributions that samples differ between seeds."""
-    return tiny_model("llama", seed, vocab=vocab, peak=peak)
-
-
-@functools.lru_cache(maxsize=None)
-def twin(seed: int = 0, vocab: int = 64, peak: float = 3.0):
-    """The same weights as ``soft_model`` under a separate config object."""
-    return tiny_model("llama", seed, vocab=vocab, peak=peak)
 
 
 PROMPTS = [[1, 2, 3, 4, 5], [9, 8], [20, 21, 22, 20, 21, 22, 20]]
@@ -51,7 +38,7 @@ def sample(model, draft, seed, prompts=PROMPTS, tree="cpu", n=8, **kw):
 @pytest.mark.parametrize("drafter", ["ngram", "model"])
 def test_same_seed_same_output(drafter):
     model = soft_model()
-    make = (lambda: NgramDrafter()) if drafter == "ngram" else (lambda: ModelDrafter(twin()))
+    make = (lambda: NgramDrafter()) if drafter == "ngram" else (lambda: ModelDrafter(soft_model(copy=1)))
     a = sample(model, make(), seed=123, top_k=20)
     b = sample(model, make(), seed=123, top_k=20)
     assert a == b
@@ -78,7 +65,7 @@ def test_request_independent_of_its_batch(drafter, tree):
     """A request's output depends only on its own seed: alone with seed s it equals its
     slot in a batch whose seed list has s there (an int seed gives request i seed + i)."""
     model = soft_model()
-    draft = ModelDrafter(twin()) if drafter == "model" else NgramDrafter()
+    draft = ModelDrafter(soft_model(copy=1)) if drafter == "model" else NgramDrafter()
     kw = dict(temperature=0.9, top_p=0.95, n=6)
     seeds = [11, 12, 33]
     batch = sample(model, draft, seed=seeds, tree=tree, **kw)
@@ -93,7 +80,7 @@ def test_temperature_per_request(drafter, tree):
     """One temperature per request: each request of a mixed batch (greedy and two
     temperatures) equals itself decoded alone with its own temperature and seed."""
     model = soft_model()
-    draft = ModelDrafter(twin()) if drafter == "model" else NgramDrafter()
+    draft = ModelDrafter(soft_model(copy=1)) if drafter == "model" else NgramDrafter()
     temps, seeds = [0.0, 0.7, 1.3], [5, 6, 7]
     batch = sample(model, draft, seed=seeds, tree=tree, temperature=temps, top_k=20)
     for p, t, s, got in zip(PROMPTS, temps, seeds, batch):
@@ -162,7 +149,8 @@ def test_distribution_matches_model(drafter, tree):
     chooses jointly; here a token costs a thousandth of a step, so with 400 roots a node pays
     when p > ~0.3): choosing fewer nodes must not change the distribution."""
     model = soft_model(1, vocab=E2E_V, peak=6.0)
-    draft = ModelDrafter(twin(1, vocab=E2E_V, peak=6.0)) if drafter.startswith("twin") else NgramDrafter()
+    twin = ModelDrafter(soft_model(1, vocab=E2E_V, peak=6.0, copy=1))
+    draft = twin if drafter.startswith("twin") else NgramDrafter()
     if drafter.endswith("+lookup"):  # lookup's chains grafted on: a tree of two drafters
         draft = HybridDrafter(draft, NgramDrafter(max_ngram=2, min_ngram=1, max_matches=2, depth=3, num_nodes=4))
     N = 400
@@ -232,8 +220,9 @@ def test_engine_distribution_test_has_teeth(monkeypatch):
     monkeypatch.setattr(RequestDecoding, "choose_reached_nodes", keep_any_allowed_child)
     model = soft_model(1, vocab=E2E_V, peak=6.0)
     N = 400
-    out = treespec.generate(model, ModelDrafter(twin(1, vocab=E2E_V, peak=6.0)), TreeConfig.dynamic(3, 3, 6),
-                            [E2E_PROMPT] * N, max_new_tokens=3, seed=10_000, **E2E_PARAMS)
+    twin = ModelDrafter(soft_model(1, vocab=E2E_V, peak=6.0, copy=1))
+    out = treespec.generate(model, twin, TreeConfig.dynamic(3, 3, 6), [E2E_PROMPT] * N, max_new_tokens=3,
+                            seed=10_000, **E2E_PARAMS)
     counts: dict = {}
     for s in out.sequences:
         counts[tuple(s[:2])] = counts.get(tuple(s[:2]), 0) + 1

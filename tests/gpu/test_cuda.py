@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import treespec
+from helpers.references import hf_greedy
 from helpers.tiny import tiny_model
 from treespec.attention import flex_problem
 from treespec.divergence import NEAR_TIE_TOLERANCE, classify_divergence, fp32_reference
@@ -42,12 +43,6 @@ def _backends():
 
 def gpu_model(family: str, seed: int, **kw):
     return tiny_model(family, seed, hidden=256, heads=4, kv_heads=2, **kw)
-
-
-def hf_greedy(model, prompt, n):
-    ids = torch.tensor([prompt], device=model.device)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("backend", _backends())

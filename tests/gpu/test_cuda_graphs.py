@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import treespec
+from helpers.references import hf_greedy
 from helpers.tiny import assert_sessions_draft_alike, tiny_model
 from treespec.drafters import Eagle3Drafter, HybridDrafter, RecordingDrafter
 from treespec.drafters.base import DraftStart
@@ -23,12 +24,6 @@ pytestmark = [
 ]
 
 PROMPTS = [[1, 5, 9, 3, 7, 5, 9], [2, 4, 6, 8, 10, 12, 4, 6], list(range(20, 45))]
-
-
-def hf_greedy(model, prompt, n):
-    ids = torch.tensor([prompt], device=model.device)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
-    return out[0, len(prompt):].tolist()
 
 
 def gpu_eagle(seed: int, **kw) -> tuple:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers import (
     LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
@@ -39,6 +41,21 @@ def tiny_model(family: str = "llama", seed: int = 0, vocab: int = 64, hidden: in
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model.eval()
+
+
+def model_cache():
+    """A cache of :func:`tiny_model` of its own: the same arguments give the same model, built
+    once. Two caches give two models of equal weights, each with its own config object (a draft
+    model that is the target's exact copy, so that acceptance is about 100%)."""
+    return functools.lru_cache(maxsize=None)(tiny_model)
+
+
+@functools.lru_cache(maxsize=None)
+def soft_model(seed: int = 0, vocab: int = 64, peak: float = 3.0, copy: int = 0):
+    """A llama whose next-token distributions are flat enough that samples differ between seeds,
+    built once per arguments; ``copy=1`` gives the same weights under a separate config object
+    (a draft model that is the target's exact copy)."""
+    return tiny_model("llama", seed, vocab=vocab, peak=peak)
 
 
 def dynamic_configs(max_top_k: int, max_nodes: int):

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 import treespec
+from helpers.references import hf_greedy
 from helpers.tiny import tiny_model
 from treespec import Tree, TreeConfig
 from treespec.bench import BenchConfig, run_bench, to_json
@@ -33,12 +34,6 @@ needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reas
 # bf16 packing is a CPU feature (AVX512 BW/VL/DQ or AVX-NE-CONVERT): AMD Zen 3 lacks it
 PACKED_DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
     not onednn_packs(torch.bfloat16), reason="oneDNN cannot pack bf16 on this CPU (no AVX512 BW/VL/DQ, no AVX-NE-CONVERT)"))]
-
-
-def hf_greedy(model, prompt, n):
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
-    return out[0, len(prompt):].tolist()
 
 
 PROMPTS = [[1, 5, 9, 3, 7, 5, 9], [2, 4, 6, 8, 10, 12, 4, 6], [3, 3, 3, 11, 17, 19, 23, 3, 11]]

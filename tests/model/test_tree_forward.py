@@ -10,7 +10,6 @@ wrong mask must fail the same comparison.
 
 from __future__ import annotations
 
-import functools
 
 import pytest
 import torch
@@ -18,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import treespec
-from helpers.tiny import tiny_model
+from helpers.tiny import model_cache, tiny_model
+from helpers.trees import trees
 from treespec import Tree
 from treespec.attention import TorchBackend, make_batch
 from treespec.drafters.model import ModelDrafter
@@ -30,27 +30,7 @@ from treespec.runner import ModelRunner
 V = 64
 ATOL = 1e-4
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-@functools.lru_cache(maxsize=None)
-def model_of(family: str, seed: int = 0, **extra):
-    return tiny_model(family, seed, **extra)
-
-
-@st.composite
-def trees(draw, max_nodes: int = 12):
-    """A random tree of 1..max_nodes nodes (root included) with distinct sibling tokens."""
-    n = draw(st.integers(1, max_nodes))
-    parents = [-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)]
-    tokens, used = [], {}
-    for i, p in enumerate(parents):
-        t = draw(st.integers(0, V - 1))
-        sib = used.setdefault(p, set())
-        while t in sib:
-            t = (t + 1) % V
-        sib.add(t)
-        tokens.append(t)
-    return Tree(parents, tokens)
+model_of = model_cache()
 
 
 @torch.no_grad()
@@ -66,7 +46,7 @@ def path_logits(model, prompt: list[int], tree: Tree) -> torch.Tensor:
     return out
 
 
-def prefill(runner: ModelRunner, cache, prompts: list[list[int]]) -> list[int]:
+def prefill_prompts(runner: ModelRunner, cache, prompts: list[list[int]]) -> list[int]:
     """Prefill every prompt in one packed forward and commit it; returns the sequences."""
     seqs = [cache.add_sequence() for _ in prompts]
     runner.forward(cache, seqs, [torch.tensor(p) for p in prompts], [torch.arange(len(p)) for p in prompts],
@@ -80,7 +60,7 @@ def tree_forward(model, prompts, tree_list, masks=None, page_size=4):
     runner = ModelRunner(model, "torch")
     cache = runner.new_cache([len(p) + t.num_nodes for p, t in zip(prompts, tree_list)], page_size)
     with runner.attached():
-        seqs = prefill(runner, cache, prompts)
+        seqs = prefill_prompts(runner, cache, prompts)
         out = runner.forward(
             cache, seqs, [t.tokens for t in tree_list], [t.position_ids(len(p)) for p, t in zip(prompts, tree_list)],
             masks if masks is not None else [t.attention_mask() for t in tree_list],
@@ -94,7 +74,7 @@ def tree_forward(model, prompts, tree_list, masks=None, page_size=4):
 @settings(max_examples=15, **SETTINGS)
 @given(family=st.sampled_from(["llama", "qwen2", "qwen3", "mistral"]),
        prompt=st.lists(st.integers(0, V - 1), min_size=1, max_size=14),
-       tree=trees())
+       tree=trees(max_nodes=12, vocab=V))
 def test_tree_logits_equal_path_recomputation(family, prompt, tree):
     model = model_of(family)
     got = tree_forward(model, [prompt], [tree])[0]
@@ -131,7 +111,7 @@ def test_wrong_positions_fail_the_comparison():
     runner = ModelRunner(model, "torch")
     cache = runner.new_cache([len(prompt) + BRANCHY.num_nodes], 4)
     with runner.attached():
-        seqs = prefill(runner, cache, [prompt])
+        seqs = prefill_prompts(runner, cache, [prompt])
         out = runner.forward(cache, seqs, [BRANCHY.tokens], [len(prompt) + torch.arange(BRANCHY.num_nodes)],
                              [BRANCHY.attention_mask()])
     assert (out.logits[0] - path_logits(model, prompt, BRANCHY)).abs().max() > 100 * ATOL
@@ -142,7 +122,7 @@ def test_wrong_positions_fail_the_comparison():
 @settings(max_examples=10, **SETTINGS)
 @given(family=st.sampled_from(["llama", "qwen3", "mistral"]),
        prompts=st.lists(st.lists(st.integers(0, V - 1), min_size=1, max_size=13), min_size=2, max_size=3),
-       tree_list=st.lists(trees(), min_size=3, max_size=3),
+       tree_list=st.lists(trees(max_nodes=12, vocab=V), min_size=3, max_size=3),
        page_size=st.sampled_from([1, 4, 16]))
 def test_batched_tree_forward(family, prompts, tree_list, page_size):
     """Several requests with different prefix lengths and trees in one packed forward."""
@@ -164,7 +144,7 @@ def test_tree_built_level_by_level_with_extra_keys():
     anc = tree.attention_mask()
     got = [torch.empty(tree.num_nodes, V) for _ in prompts]
     with runner.attached():
-        seqs = prefill(runner, cache, prompts)
+        seqs = prefill_prompts(runner, cache, prompts)
         for d in range(tree.max_depth + 1):
             done = torch.nonzero(tree.depth < d).flatten()
             new = torch.nonzero(tree.depth == d).flatten()
@@ -186,7 +166,7 @@ SW = dict(sliding_window=4)
 
 
 @settings(max_examples=8, **SETTINGS)
-@given(prompt=st.lists(st.integers(0, V - 1), min_size=1, max_size=12), tree=trees())
+@given(prompt=st.lists(st.integers(0, V - 1), min_size=1, max_size=12), tree=trees(max_nodes=12, vocab=V))
 def test_sliding_window_tree_logits(prompt, tree):
     """Mistral with a 4-token window: the torch backend's windowed tree mask equals HF's
     own sliding-window causal attention on each path."""

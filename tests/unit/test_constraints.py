@@ -13,22 +13,15 @@ from transformers import GenerationConfig
 
 import treespec
 from treespec.engine import loop
-from test_processing import VOCAB as _VOCAB, trees  # random trees over the same 16 tokens
 from helpers.tiny import tiny_model
+from helpers.trees import trees
 from treespec import Tree, TreeConfig
 from treespec.builder import build_dynamic_trees, build_static_trees
 from treespec.constraints import DraftRules, draft_constrain
 from treespec.processing import NodeProcessor, resolve_generation_config
 
-V = _VOCAB
+V = 16  # the vocabulary of the vocab16_model fixture
 EOS = 2
-
-
-@pytest.fixture(scope="module")
-def model():
-    m = tiny_model(vocab=V)
-    m.generation_config.eos_token_id = EOS
-    return m
 
 
 hard = st.fixed_dictionaries({}, optional={
@@ -61,8 +54,8 @@ tokens = st.lists(st.integers(0, V - 1), min_size=1, max_size=10)
 @settings(max_examples=150, deadline=None)
 @given(options=hard, history=tokens, more=st.lists(st.integers(0, V - 1), max_size=6),
        paths=st.lists(st.lists(st.integers(0, V - 1), max_size=5), min_size=1, max_size=4), data=st.data())
-def test_banned_is_what_the_processors_set_to_minus_inf(model, options, history, more, paths, data):
-    procs = processors(model, options, prompt_len=data.draw(st.integers(1, len(history))))
+def test_banned_is_what_the_processors_set_to_minus_inf(vocab16_model, options, history, more, paths, data):
+    procs = processors(vocab16_model, options, prompt_len=data.draw(st.integers(1, len(history))))
     sequence = list(history)
     rules = DraftRules.from_processors(procs, sequence)
     if rules is None:  # nothing hard among the options: the processors never ban either
@@ -76,17 +69,17 @@ def test_banned_is_what_the_processors_set_to_minus_inf(model, options, history,
         assert rules.banned(path) == minus_inf(procs, sequence + path), (options, sequence, path)
 
 
-def test_an_ngram_spanning_a_short_history_and_the_path(model):
+def test_an_ngram_spanning_a_short_history_and_the_path(vocab16_model):
     """A history shorter than n-1: the n-gram (3, 4, 5, 6) starts in it and ends in the path."""
-    procs = processors(model, dict(no_repeat_ngram_size=4), prompt_len=1)
+    procs = processors(vocab16_model, dict(no_repeat_ngram_size=4), prompt_len=1)
     rules = DraftRules.from_processors(procs, [3, 4])
     assert rules.banned([5, 6, 3, 4, 5]) == minus_inf(procs, [3, 4, 5, 6, 3, 4, 5]) == {6}
 
 
 @settings(max_examples=80, deadline=None)
-@given(options=hard, history=tokens, tree=trees())
-def test_prune_keeps_exactly_the_nodes_whose_path_is_allowed(model, options, history, tree):
-    procs = processors(model, options, prompt_len=1)
+@given(options=hard, history=tokens, tree=trees(max_nodes=13, vocab=V))
+def test_prune_keeps_exactly_the_nodes_whose_path_is_allowed(vocab16_model, options, history, tree):
+    procs = processors(vocab16_model, options, prompt_len=1)
     rules = DraftRules.from_processors(procs, list(history))
     if rules is None:
         return
@@ -111,12 +104,12 @@ def _table_step(table):
 
 
 @pytest.mark.parametrize("kind", ["dynamic", "static"])
-def test_builders_fill_the_slots_with_allowed_tokens(model, kind):
+def test_builders_fill_the_slots_with_allowed_tokens(vocab16_model, kind):
     torch.manual_seed(0)
     table = torch.randn(V, V).log_softmax(-1)
     history = [5, 6, 7, 5, 6]
-    rules = DraftRules.from_processors(processors(model, dict(no_repeat_ngram_size=2, suppress_tokens=[3, 4]), 1),
-                                       history)
+    options = dict(no_repeat_ngram_size=2, suppress_tokens=[3, 4])
+    rules = DraftRules.from_processors(processors(vocab16_model, options, 1), history)
     constrain = draft_constrain([rules])
     root = torch.tensor([6])
     if kind == "dynamic":
@@ -184,9 +177,9 @@ def test_no_verified_tree_holds_a_forbidden_node(monkeypatch, tmp_path, kind, tr
         assert any(pruned)
 
 
-def test_the_repetition_penalty_reaches_the_drafts_log_probs(model):
+def test_the_repetition_penalty_reaches_the_drafts_log_probs(vocab16_model):
     history = [5, 6, 7, 5]
-    rules = DraftRules.from_processors(processors(model, dict(repetition_penalty=1.5), 1), history)
+    rules = DraftRules.from_processors(processors(vocab16_model, dict(repetition_penalty=1.5), 1), history)
     assert rules is not None and not rules.bans and rules.penalty == 1.5
     torch.manual_seed(1)
     logp = torch.randn(1, 2, V).log_softmax(-1)

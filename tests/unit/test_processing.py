@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from transformers import GenerationConfig
 
 from helpers.stats import chi_square, token_counts, token_probs
-from helpers.tiny import tiny_model
+from helpers.trees import trees
 from treespec import Tree
 from transformers import TopPLogitsWarper
 
@@ -21,27 +21,6 @@ from treespec.accept import RequestDecoding, accept, gumbel_noise
 from treespec.processing import NodeProcessor, SortFreeTopP, path_tokens, resolve_generation_config
 
 VOCAB = 16
-
-
-@pytest.fixture(scope="module")
-def model():
-    m = tiny_model(vocab=VOCAB)
-    m.generation_config.eos_token_id = 2
-    return m
-
-
-@st.composite
-def trees(draw, max_nodes=12):
-    n = draw(st.integers(0, max_nodes))
-    parents, tokens = [-1], [draw(st.integers(0, VOCAB - 1))]
-    used: dict[int, set] = {}
-    for i in range(1, n + 1):
-        p = draw(st.integers(0, i - 1))
-        t = draw(st.sampled_from([t for t in range(VOCAB) if t not in used.get(p, set())]))
-        used.setdefault(p, set()).add(t)
-        parents.append(p)
-        tokens.append(t)
-    return Tree(parents, tokens)
 
 
 configs = st.fixed_dictionaries({}, optional={
@@ -59,14 +38,14 @@ configs = st.fixed_dictionaries({}, optional={
 
 
 @settings(max_examples=80, deadline=None)
-@given(tree=trees(), options=configs, sample=st.booleans(), history=st.lists(st.integers(0, VOCAB - 1), min_size=1,
+@given(tree=trees(max_nodes=13, vocab=VOCAB), options=configs, sample=st.booleans(), history=st.lists(st.integers(0, VOCAB - 1), min_size=1,
                                                                                 max_size=8), data=st.data())
-def test_each_node_is_processed_with_its_own_path(model, tree, options, sample, history, data):
+def test_each_node_is_processed_with_its_own_path(vocab16_model, tree, options, sample, history, data):
     if sample:
         options.update(do_sample=True, temperature=data.draw(st.floats(0.3, 1.5)),
                        top_p=data.draw(st.floats(0.5, 1.0)), typical_p=data.draw(st.floats(0.5, 1.0)))
-    cfg = resolve_generation_config(model, GenerationConfig(max_new_tokens=8, **options))
-    proc = NodeProcessor.build(model, cfg, prompt_len=data.draw(st.integers(1, len(history))))
+    cfg = resolve_generation_config(vocab16_model, GenerationConfig(max_new_tokens=8, **options))
+    proc = NodeProcessor.build(vocab16_model, cfg, prompt_len=data.draw(st.integers(1, len(history))))
     logits = torch.randn(tree.num_nodes, VOCAB)
     got = proc(torch.tensor(history), logits, tree)
     for i in range(tree.num_nodes):
@@ -76,15 +55,16 @@ def test_each_node_is_processed_with_its_own_path(model, tree, options, sample, 
 
 
 @settings(max_examples=80, deadline=None)
-@given(tree=trees(), options=configs, sample=st.booleans(), history=st.lists(st.integers(0, VOCAB - 1), min_size=1,
+@given(tree=trees(max_nodes=13, vocab=VOCAB), options=configs, sample=st.booleans(), history=st.lists(st.integers(0, VOCAB - 1), min_size=1,
                                                                                 max_size=8), data=st.data())
-def test_choosing_at_reached_nodes_chooses_as_every_node_would_where_verification_looks(model, tree, options, sample, history, data):
+def test_choosing_at_reached_nodes_chooses_as_every_node_would_where_verification_looks(vocab16_model, tree, options,
+                                                                                        sample, history, data):
     # Verification processes only the nodes it reaches (choose_reached_nodes); its verdict must
     # be the one from every node's choice, and each reached node's choice the same.
     if sample:
         options.update(do_sample=True, temperature=data.draw(st.floats(0.3, 1.5)), top_p=data.draw(st.floats(0.5, 1.0)))
-    cfg = resolve_generation_config(model, GenerationConfig(max_new_tokens=8, **options))
-    proc = NodeProcessor.build(model, cfg, prompt_len=data.draw(st.integers(1, len(history))))
+    cfg = resolve_generation_config(vocab16_model, GenerationConfig(max_new_tokens=8, **options))
+    proc = NodeProcessor.build(vocab16_model, cfg, prompt_len=data.draw(st.integers(1, len(history))))
     decoding = RequestDecoding(proc, seed=data.draw(st.integers(0, 2 ** 31)) if sample else None)
     logits = torch.randn(tree.num_nodes, VOCAB)
     parents = tree.parents.tolist()
@@ -101,13 +81,13 @@ def test_choosing_at_reached_nodes_chooses_as_every_node_would_where_verificatio
 
 
 @settings(max_examples=80, deadline=None)
-@given(tree=trees(), dtype=st.sampled_from([torch.float32, torch.bfloat16]), data=st.data())
-def test_plain_greedy_choice_at_reached_nodes_takes_the_first_maximum_of_each_row(model, tree, dtype, data):
+@given(tree=trees(max_nodes=13, vocab=VOCAB), dtype=st.sampled_from([torch.float32, torch.bfloat16]), data=st.data())
+def test_plain_greedy_choice_at_reached_nodes_takes_the_first_maximum_of_each_row(vocab16_model, tree, dtype, data):
     # Greedy with no processors walks the path with an argmax of each reached row widened to
     # fp32; it must choose what the tree-wide argmax in the logits' own dtype chooses, ties
     # included (few distinct values: most rows tie at their maximum, as bf16 logits often do).
-    decoding = RequestDecoding(NodeProcessor.build(model, resolve_generation_config(
-        model, GenerationConfig(max_new_tokens=8)), prompt_len=1))
+    decoding = RequestDecoding(NodeProcessor.build(vocab16_model, resolve_generation_config(
+        vocab16_model, GenerationConfig(max_new_tokens=8)), prompt_len=1))
     assert not decoding.processor
     logits = torch.randint(0, 3, (tree.num_nodes, VOCAB)).to(dtype)
     parents = tree.parents.tolist()
@@ -153,9 +133,9 @@ def test_sort_free_top_p_sorts_nothing_where_the_cut_is_clear(monkeypatch):
     assert torch.equal(SortFreeTopP(0.95)(None, x.clone()), want)
 
 
-def test_node_processors_use_the_sort_free_top_p(model):
-    cfg = resolve_generation_config(model, GenerationConfig(do_sample=True, temperature=0.7, top_p=0.9))
-    procs = NodeProcessor.build(model, cfg, prompt_len=3).processors
+def test_node_processors_use_the_sort_free_top_p(vocab16_model):
+    cfg = resolve_generation_config(vocab16_model, GenerationConfig(do_sample=True, temperature=0.7, top_p=0.9))
+    procs = NodeProcessor.build(vocab16_model, cfg, prompt_len=3).processors
     assert [type(p) for p in procs if isinstance(p, TopPLogitsWarper)] == [SortFreeTopP]
 
 
@@ -170,14 +150,14 @@ def test_path_tokens_literal():
     ("num_beams", 2), ("num_return_sequences", 2), ("guidance_scale", 1.5), ("penalty_alpha", 0.6),
     ("encoder_repetition_penalty", 1.2), ("forced_bos_token_id", 1),
 ])
-def test_options_that_cannot_be_exact_are_refused_by_name(model, option, value):
+def test_options_that_cannot_be_exact_are_refused_by_name(vocab16_model, option, value):
     with pytest.raises(ValueError, match=f"{option}=.*cannot run under speculation"):
-        resolve_generation_config(model, GenerationConfig(do_sample=True, **{option: value}))
+        resolve_generation_config(vocab16_model, GenerationConfig(do_sample=True, **{option: value}))
 
 
-def test_unknown_options_are_refused(model):
+def test_unknown_options_are_refused(vocab16_model):
     with pytest.raises(ValueError, match="unknown generation options.*not_an_option"):
-        resolve_generation_config(model, None, not_an_option=3)
+        resolve_generation_config(vocab16_model, None, not_an_option=3)
 
 
 def test_gumbel_noise_depends_on_seed_and_position_only():

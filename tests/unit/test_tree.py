@@ -8,39 +8,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers.trees import parent_arrays, token_paths, trees
 from treespec.mask import causal_mask
 from treespec.tree import Tree
 
 VOCAB = 50  # more tokens than any node has children, so distinct siblings always exist
-
-
-@st.composite
-def parent_arrays(draw, min_nodes: int = 1, max_nodes: int = 24) -> list[int]:
-    """Valid parent arrays: ``parents[0] = -1`` and ``0 <= parents[i] < i``."""
-    n = draw(st.integers(min_nodes, max_nodes))
-    return [-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)]
-
-
-@st.composite
-def trees(draw, min_nodes: int = 1, max_nodes: int = 24, with_tokens: bool = False) -> Tree:
-    """Random trees; with tokens, siblings carry distinct tokens."""
-    parents = draw(parent_arrays(min_nodes, max_nodes))
-    if not with_tokens:
-        return Tree(parents)
-    used: dict[int, set[int]] = {}
-    tokens = [draw(st.integers(0, VOCAB - 1))]
-    for p in parents[1:]:
-        free = sorted(set(range(VOCAB)) - used.setdefault(p, set()))
-        t = draw(st.sampled_from(free))
-        used[p].add(t)
-        tokens.append(t)
-    return Tree(parents, tokens)
-
-
-def token_paths(tree: Tree) -> dict[tuple[int, ...], int]:
-    """Root-to-node token path (root token excluded) -> node index."""
-    tok = tree.tokens.tolist()
-    return {tuple(tok[a] for a in tree.ancestors(i)[1:]): i for i in range(tree.num_nodes)}
 
 
 # ---- properties over random trees -----------------------------------------------------
@@ -121,7 +93,7 @@ def test_ancestors_and_children_count_match_networkx(tree):
 
 
 @settings(max_examples=50, deadline=None)
-@given(trees(with_tokens=True), st.booleans())
+@given(trees(vocab=VOCAB), st.booleans())
 def test_networkx_round_trip(tree, with_scores):
     if with_scores:
         tree = tree.with_tokens(tree.tokens, -torch.arange(tree.num_nodes, dtype=torch.float32))

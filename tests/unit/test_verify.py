@@ -136,7 +136,7 @@ PARAMS = {
 
 
 @functools.lru_cache(maxsize=None)
-def run(name: str):
+def sampled_verdicts(name: str):
     """(probs [6, V], first token [N], second token [N] or -1, first accepted node [N])."""
     probs = PARAMS[name].probs(logits())
     N = trials(name)
@@ -154,7 +154,7 @@ def run(name: str):
 
 @pytest.mark.parametrize("name", list(PARAMS))
 def test_first_token_is_target_distribution(name):
-    probs, first, _, _ = run(name)
+    probs, first, _, _ = sampled_verdicts(name)
     stat, thr = chi_square(token_counts(first), token_probs(probs[0]))
     assert stat < thr, f"{name}: chi2 {stat:.1f} >= {thr:.1f}"
 
@@ -165,7 +165,7 @@ def test_second_token_given_accepted_child(name, child):
     """Given that drafted child ``child`` was accepted (node 1 has children of its own,
     node 2 is a leaf whose bonus is a plain sample), the next token follows the target's
     distribution at that child."""
-    probs, _, second, node = run(name)
+    probs, _, second, node = sampled_verdicts(name)
     picked = second[node == child]
     assert picked.numel() > 300  # the condition is common enough to test
     stat, thr = chi_square(token_counts(picked), token_probs(probs[child]))
@@ -174,14 +174,14 @@ def test_second_token_given_accepted_child(name, child):
 
 def test_zero_probability_children_never_accepted():
     for name in ("top_k3", "top_p0.8", "combined"):
-        probs, first, _, node = run(name)
+        probs, first, _, node = sampled_verdicts(name)
         assert probs[0, 1] == 0  # node 3's token is outside the support
         assert not (node == 3).any() and not (first == 1).any()
 
 
 def test_acceptance_rate_of_first_child():
     """P(first child accepted) = p(x1): the rule is the plain one, not just distribution-preserving."""
-    probs, _, _, node = run("t0.7")
+    probs, _, _, node = sampled_verdicts("t0.7")
     N = node.numel()
     p1 = float(probs[0, 2])
     assert abs(float((node == 1).float().mean()) - p1) < 4 * math.sqrt(p1 * (1 - p1) / N)
@@ -222,7 +222,7 @@ def test_wrong_rule_fails(rule):
 def test_wrong_conditional_fails():
     """Sampling the token after an accepted child from the root's distribution (a stale
     node index) fails the conditional test."""
-    probs, _, second, node = run("t0.7")
+    probs, _, second, node = sampled_verdicts("t0.7")
     picked = second[node == 2]  # leaf: its bonus is a plain sample from probs[2]
     g = torch.Generator().manual_seed(5)
     stale = torch.multinomial(probs[0], picked.numel(), replacement=True, generator=g)
