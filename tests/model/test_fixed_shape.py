@@ -26,7 +26,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import treespec
 from helpers.pairs import pair
+from helpers.references import hf_greedy
 from helpers.tiny import tiny_model
+from helpers.trees import trees
 from treespec import PrefixCache, Tree
 from treespec.fixed_shape import (BUCKETS, FixedShapeVerify, ancestor_masks, bucket_for, fixed_row_tokens,
                                   tree_rows_mask)
@@ -37,33 +39,12 @@ V = 64
 ATOL = 1e-4
 SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow,
                                                                         HealthCheck.data_too_large])
-pytestmark = pytest.mark.filterwarnings("ignore:the model accepted none")
-
-
-@pytest.fixture(autouse=True)
-def _one_thread(one_thread):
-    yield
+pytestmark = [pytest.mark.filterwarnings("ignore:the model accepted none"), pytest.mark.usefixtures("one_thread")]
 
 
 @functools.lru_cache(maxsize=None)
 def model_of(family: str, seed: int = 0, **extra):
     return tiny_model(family, seed, **extra)
-
-
-@st.composite
-def trees(draw, max_nodes: int):
-    """A random tree of 1..max_nodes nodes (root included) with distinct sibling tokens."""
-    n = draw(st.integers(1, max_nodes))
-    parents = [-1] + [draw(st.integers(max(0, i - 4), i - 1)) for i in range(1, n)]
-    tokens, used = [], {}
-    for p in parents:
-        t = draw(st.integers(0, V - 1))
-        sib = used.setdefault(p, set())
-        while t in sib:
-            t = (t + 1) % V
-        sib.add(t)
-        tokens.append(t)
-    return Tree(parents, tokens)
 
 
 def both_forwards(model, prompts, tree_list, active=None, buckets=BUCKETS, features=(0, FINAL_NORM)):
@@ -110,7 +91,7 @@ def batches(draw):
     rows = draw(st.integers(1, 3))
     prompts = [draw(st.lists(st.integers(0, V - 1), min_size=1, max_size=30)) for _ in range(rows)]
     active = draw(st.lists(st.sampled_from(range(rows)), min_size=1, max_size=rows, unique=True).map(sorted))
-    tree_list = [draw(trees(bucket)) for _ in active]
+    tree_list = [draw(trees(max_nodes=bucket, vocab=V)) for _ in active]
     return dict(family=draw(st.sampled_from(["llama", "qwen2", "qwen3", "mistral"])), prompts=prompts,
                 active=active, trees=tree_list, bucket=bucket)
 
@@ -132,7 +113,7 @@ def test_logits_and_features_equal_todays_forward(b):
 
 
 @settings(max_examples=10, **SETTINGS)
-@given(prompt=st.lists(st.integers(0, V - 1), min_size=1, max_size=12), tree=trees(16),
+@given(prompt=st.lists(st.integers(0, V - 1), min_size=1, max_size=12), tree=trees(max_nodes=16, vocab=V),
        family=st.sampled_from(["mistral", "qwen2"]))
 def test_sliding_windows_equal_todays_forward(prompt, tree, family):
     """Mistral with a 4-token window, Qwen2 with a full layer then a windowed one."""
@@ -176,7 +157,7 @@ def test_mask_by_hand():
 
 
 @settings(max_examples=40, **SETTINGS)
-@given(tree_list=st.lists(trees(64), min_size=1, max_size=3), bucket=st.sampled_from([64, 128]))
+@given(tree_list=st.lists(trees(max_nodes=64, vocab=V), min_size=1, max_size=3), bucket=st.sampled_from([64, 128]))
 def test_ancestor_masks_are_the_trees_masks(tree_list, bucket):
     """Computed from parents on fixed shapes, each tree's mask is its Tree.attention_mask; a
     padded token (parent -1) sees itself only."""
@@ -224,12 +205,6 @@ def count_fixed(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(FixedShapeVerify, "forward", forward)
     return counts
-
-
-def hf_greedy(model, prompt, n):
-    ids = torch.tensor([prompt])
-    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)[
-        0, len(prompt):].tolist()
 
 
 PROMPTS = [[5, 3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [7, 7, 7], [1]]
