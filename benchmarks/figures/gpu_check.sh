@@ -78,11 +78,11 @@ needed = sum(s for p, s in size.items() if p.startswith(("treespec/", "tests/", 
                                                           "benchmarks/micro/draft_step_gpu.py",
                                                           "benchmarks/figures/gpu_check.sh", "benchmarks/timing.py")))
 limit = float(sys.argv[1])
-print(f"carried: {mib:.1f} MiB in {len(size)} files (the working tree as the device tool copies it; "
+print(f"carried: {mib:.1f} MiB in {len(size)} files (the working tree as it is brought to the GPU machine; "
       f"limit {limit:.0f} MiB); of which the check needs {needed / 2**20:.1f} MiB "
       f"(treespec/, tests/, benchmarks/timing.py and the three scripts)")
 if mib > limit:
-    print(f"FAIL: {mib:.1f} MiB is over the {limit:.0f} MiB the device tool carries")
+    print(f"FAIL: {mib:.1f} MiB is over the {limit:.0f} MiB that can be brought to the GPU machine")
     sys.exit(1)
 EOF
   [ "$fail" = 0 ] && echo "dry run: ok" || echo "dry run: FAILED"

@@ -40,7 +40,7 @@ def test_dry_run_passes_and_prints_the_carried_size():
 def test_dry_run_fails_over_the_carry_limit():
     run = gpu_check("--dry-run", CARRY_LIMIT_MIB="1")
     assert run.returncode != 0
-    assert "is over the 1 MiB the device tool carries" in run.stdout
+    assert "is over the 1 MiB that can be brought to the GPU machine" in run.stdout
     assert run.stdout.rstrip().endswith("dry run: FAILED")
 
 
