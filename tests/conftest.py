@@ -113,6 +113,32 @@ def vocab16_model():
     return model
 
 
+@pytest.fixture(scope="module")
+def eagle_ckpts(tmp_path_factory):
+    """EAGLE heads written by hand in the published layouts (``helpers/eagle_heads.py``), one
+    folder per (layout, seed, file format), written on first use: ``eagle_ckpts(kind, seed=0,
+    fmt="safetensors") -> (folder, config, state)`` for kind ``"eagle1"``, ``"eagle3"``,
+    ``"eagle3-vllm"`` or ``"informed"``."""
+    from helpers.eagle_heads import eagle1_checkpoint, eagle3_checkpoint, informed_eagle1_checkpoint, write_head
+
+    root = tmp_path_factory.mktemp("eagle")
+    made: dict = {}
+
+    def get(kind: str, seed: int = 0, fmt: str = "safetensors"):
+        key = (kind, seed, fmt)
+        if key not in made:
+            config, state = {
+                "eagle1": lambda: eagle1_checkpoint(seed),
+                "eagle3": lambda: eagle3_checkpoint(seed),
+                "eagle3-vllm": lambda: eagle3_checkpoint(seed, vllm=True),
+                "informed": lambda: informed_eagle1_checkpoint(seed + 11),
+            }[kind]()
+            made[key] = (write_head(root / f"{kind}-{seed}-{fmt}", config, state, fmt), config, state)
+        return made[key]
+
+    return get
+
+
 @pytest.fixture
 def fresh_flex():
     """treespec's compiled flex_attention compiled afresh for this test, as in a new process.

@@ -8,7 +8,7 @@ Variants (``--variants``, in the order given):
   ``lean``      the lean single-request pass (``RowPasses``), argmax over every row;
   ``lean+path`` the lean pass, and greedy verification's argmax over the rows it reaches alone,
                 widened to fp32 (``RequestDecoding.choose_reached_nodes``: the default now).
-All draft the same trees (tests/drafters/test_eagle.py) and verify to the same verdicts
+All draft the same trees (tests/drafters/test_eagle_passes.py) and verify to the same verdicts
 (tests/unit/test_processing.py), so only the time differs, except where ``auto`` sizes a tree from
 the step's measured times. Per variant: draft and verify milliseconds per step, the draft's
 share of the decode time, tokens per second, and the medians over prompts.

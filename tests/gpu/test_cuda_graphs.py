@@ -3,7 +3,8 @@
 uncaptured, bit for bit, give HF generate's greedy output, serve one request after another,
 and are recaptured when the head's weights move. Skipped without a GPU; run first of the CUDA
 tests by ``benchmarks/figures/gpu_check.sh`` (the code here has had the least GPU time). The
-CPU half (the static passes uncaptured against the lean pass) is in test_eagle.py."""
+CPU half (the static passes uncaptured against the lean pass) is in
+tests/drafters/test_eagle_passes.py."""
 
 from __future__ import annotations
 

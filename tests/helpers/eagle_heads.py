@@ -20,6 +20,8 @@ import torch
 from safetensors.torch import save_file
 
 from helpers.tiny import tiny_model
+from treespec import TreeConfig
+from treespec.drafters.base import DraftStart
 from treespec.runner import FINAL_NORM
 
 V, H, VD = 64, 32, 40
@@ -173,3 +175,11 @@ def eagle_target(kind: str, seed: int = 0, family: str = "llama", peak: float = 
                     layer.mlp.down_proj.weight.mul_(0.2)
         _TARGETS[key] = model
     return _TARGETS[key]
+
+
+def start_session(drafter, model, prompts, first, cfg=TreeConfig.chain(2), max_new=32):
+    """An EagleSession as the engine starts it, with the target's features computed from scratch
+    (:func:`hf_features`)."""
+    layers = drafter.features_for(model)
+    feats = [hf_features(model, p, layers) for p in prompts]
+    return drafter.start(model, DraftStart([list(p) for p in prompts], list(first), feats, max_new, cfg))
