@@ -485,18 +485,7 @@ def _capture_range(model, tokenizer, cfg, plan, a, b, fids, stats, summary, give
             stats.skipped_too_long += 1
             continue
         if given is not None:
-            row = given.get(i)
-            is_sampled = _sampled(cfg, key)[0]
-            if (row is None or row["source"] != key or row["prompt_len"] != plen or row["sampled"] != is_sampled
-                    or not 0 < len(row["answer"]) <= _answer_limit(cfg, plen)):
-                found = "nothing" if row is None else (
-                    f"{row['source']}, a prompt of {row['prompt_len']} tokens, {len(row['answer'])} answer tokens, "
-                    f"{'sampled' if row['sampled'] else 'greedy'}")
-                raise ValueError(f"{cfg.out_dir}: {_answers_name(a, b)} does not match the plan at conversation {i} "
-                                 f"({key}, a prompt of {plen} tokens, {'sampled' if is_sampled else 'greedy'}; "
-                                 f"the file has {found}): it was written with other data, settings or tokenizer; "
-                                 f"delete it to decode this shard again")
-            replayed.append((i, ids[:plen] + row["answer"], plen, bool(row["sampled"])))
+            replayed.append(_replay_entry(cfg, (a, b), i, key, ids[:plen], given.get(i)))
             continue
         is_sampled, seed = _sampled(cfg, key)
         answered.append((i, ids[:plen], cfg.sample_temperature if is_sampled else 0.0, seed))
@@ -522,6 +511,23 @@ def _capture_range(model, tokenizer, cfg, plan, a, b, fids, stats, summary, give
         for (i, _, _, sampled), r in zip(batch, recs):
             by_index[i] = dict(r, sampled=sampled)
     return [dict(by_index[i], index=i, source=plan[i][0]) for i in sorted(by_index)]
+
+
+def _replay_entry(cfg, span: tuple[int, int], i: int, key: str, prompt: list[int], row: dict | None) -> tuple:
+    """``(plan index, prompt + answer ids, prompt length, sampled)`` of conversation ``i`` from its
+    row in the answers file of plan entries ``span``; a ValueError where the row does not fit the
+    plan (other data, settings or tokenizer)."""
+    plen, is_sampled = len(prompt), _sampled(cfg, key)[0]
+    if (row is None or row["source"] != key or row["prompt_len"] != plen or row["sampled"] != is_sampled
+            or not 0 < len(row["answer"]) <= _answer_limit(cfg, plen)):
+        found = "nothing" if row is None else (
+            f"{row['source']}, a prompt of {row['prompt_len']} tokens, {len(row['answer'])} answer tokens, "
+            f"{'sampled' if row['sampled'] else 'greedy'}")
+        raise ValueError(f"{cfg.out_dir}: {_answers_name(*span)} does not match the plan at conversation {i} "
+                         f"({key}, a prompt of {plen} tokens, {'sampled' if is_sampled else 'greedy'}; "
+                         f"the file has {found}): it was written with other data, settings or tokenizer; "
+                         f"delete it to decode this shard again")
+    return i, prompt + row["answer"], plen, bool(row["sampled"])
 
 
 def _by_tokens(items, max_batch: int, budget: int = _REPLAY_TOKENS) -> list[list]:
