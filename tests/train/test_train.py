@@ -12,27 +12,24 @@ import re
 import pytest
 import torch
 
+from helpers.tiny import save_tiny_lm
 import treespec
 from treespec import models
 from treespec.train import TrainConfig, train_eagle
 from treespec.train.data import DataStats, read_jsonl
 from treespec.train.trainer import _ttt_masks, draft_vocabulary
 
-from helpers.tiny import save_tiny_lm
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is faster
 
 
-@pytest.fixture(autouse=True)
-def _one_thread(one_thread):
-    yield
-
-
-def write(path, lines):
+def write_lines(path, lines):
+    """``lines`` as a text file at ``path``, one a line."""
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
 def test_read_jsonl_shapes_and_bad_lines(tmp_path):
-    f = write(tmp_path / "d.jsonl", [
+    f = write_lines(tmp_path / "d.jsonl", [
         json.dumps({"question": "q1", "answer": "a1"}),
         "not json",
         json.dumps({"prompt": "p", "completion": "c"}),
@@ -52,9 +49,9 @@ def test_read_jsonl_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         read_jsonl(tmp_path / "absent.jsonl")
     with pytest.raises(ValueError, match="no usable examples"):
-        read_jsonl(write(tmp_path / "empty.jsonl", [""]))
+        read_jsonl(write_lines(tmp_path / "empty.jsonl", [""]))
     with pytest.raises(ValueError, match="question/answer"):
-        read_jsonl(write(tmp_path / "bad.jsonl", ['{"x": 1}', "oops"]))
+        read_jsonl(write_lines(tmp_path / "bad.jsonl", ['{"x": 1}', "oops"]))
 
 
 def test_ttt_masks_follow_tree_ancestry():
@@ -93,7 +90,7 @@ def test_read_jsonl_takes_a_packaged_dataset_name():
 
 def test_train_end_to_end_resume_and_load(tmp_path):
     model, tok = models.load(save_tiny_lm(tmp_path / "lm"))
-    data = write(tmp_path / "d.jsonl", [json.dumps({"question": "Tom had a ball.", "answer": "He liked it a lot."}),
+    data = write_lines(tmp_path / "d.jsonl", [json.dumps({"question": "Tom had a ball.", "answer": "He liked it a lot."}),
                                         json.dumps({"text": "Once upon a time there was a little girl named Lily."}),
                                         json.dumps({"text": "One day, a big dog ran to the park to play."}),
                                         json.dumps({"question": "The sun was hot.", "answer": "Lily went inside."}),
@@ -178,7 +175,7 @@ def test_train_eagle_mistakes_answer_in_one_line(capsys, tmp_path, argv, expect)
 
 
 @pytest.fixture(scope="module")
-def chat_lm_dir(tmp_path_factory):
+def flat_chat_lm_dir(tmp_path_factory):
     """A tiny random chat llama whose next-token distributions are nearly flat (``peak=1``): the
     turns it samples end (EOS) and differ often enough for the filters to keep some (a tenth)."""
     from helpers.tiny import CHATML
@@ -191,14 +188,14 @@ def _lines(err: str) -> list[str]:
     return [line for line in err.splitlines() if line.startswith("treespec: [")]
 
 
-def test_train_eagle_with_nothing_but_a_model_runs_every_stage_and_resumes(capsys, chat_lm_dir, tmp_path):
+def test_train_eagle_with_nothing_but_a_model_runs_every_stage_and_resumes(capsys, flat_chat_lm_dir, tmp_path):
     """Issue 50: ``train-eagle --model M --out D --budget ...`` writes its prompts, answers them,
     trains, validates and tunes; the head drafts the target's own greedy text; the same command
     again skips every stage, each said in one line."""
     from treespec.cli import main
 
     out = tmp_path / "run"
-    argv = ["train-eagle", "--model", str(chat_lm_dir), "--out", str(out), "--budget", "40s", "--threads", "1",
+    argv = ["train-eagle", "--model", str(flat_chat_lm_dir), "--out", str(out), "--budget", "40s", "--threads", "1",
             "--draft-vocab", "64"]
     assert main(argv) == 0
     err = capsys.readouterr().err
@@ -212,14 +209,14 @@ def test_train_eagle_with_nothing_but_a_model_runs_every_stage_and_resumes(capsy
     state = json.loads((out / "run.json").read_text())
     assert state["plan"]["prompts"] >= 16 and state["stages"]["prompts"]["kept"] > 0
 
-    model, tok = models.load(chat_lm_dir)
+    model, tok = models.load(flat_chat_lm_dir)
     draft = treespec.load_draft(out / "head", model)
     assert draft.auto_calibration is not None  # the tune stage's calibrations, read with the head
     prompt = tok("Once upon a time", add_special_tokens=False)["input_ids"]
     ref = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):]
     got = treespec.generate(model, draft, "cpu-tiny", prompt, max_new_tokens=24)
     assert got.sequences[0] == ref.tolist()
-    assert main(["generate", "--model", str(chat_lm_dir), "--draft", str(out / "head"), "--tree", "chain-3",
+    assert main(["generate", "--model", str(flat_chat_lm_dir), "--draft", str(out / "head"), "--tree", "chain-3",
                  "--prompt", "Once upon a time", "--max-new-tokens", "8", "--threads", "1"]) == 0
     capsys.readouterr()
 
@@ -230,13 +227,13 @@ def test_train_eagle_with_nothing_but_a_model_runs_every_stage_and_resumes(capsy
     assert (out / "head" / "model.safetensors").stat().st_mtime == stamp
 
 
-def test_a_run_stopped_mid_way_resumes_at_the_stage_it_stopped_in(chat_lm_dir, tmp_path):
+def test_a_run_stopped_mid_way_resumes_at_the_stage_it_stopped_in(flat_chat_lm_dir, tmp_path):
     """Stopped as training begins, the run resumes there: prompts and answers are not made again."""
     from dataclasses import replace
 
     from treespec.train.pipeline import OwnRun, PipelineConfig
 
-    model, tok = models.load(chat_lm_dir)
+    model, tok = models.load(flat_chat_lm_dir)
     cfg = PipelineConfig(str(tmp_path / "run"), budget=None, prompts=6, answer_tokens=16, epochs=1,
                          train=TrainConfig(data="", out_dir="", draft_vocab_size=64, batch_size=4), model="tiny")
 
@@ -298,7 +295,7 @@ def test_progress_lines_off_a_terminal_come_every_tenth_with_the_time_left():
 # ---- a model without a head ---------------------------------------------------------------------
 
 
-def test_a_model_without_a_head_drafts_by_prompt_lookup_with_a_notice(capsys, monkeypatch, chat_lm_dir, tmp_path):
+def test_a_model_without_a_head_drafts_by_prompt_lookup_with_a_notice(capsys, monkeypatch, flat_chat_lm_dir, tmp_path):
     """Issue 50: with another model, the default draft (the shipped head, made for SmolLM2) made
     generate, chat and bench exit 2; they now draft by prompt lookup and say so in one line,
     naming train-eagle. A head asked for by name still fails, with its advice."""
@@ -306,9 +303,9 @@ def test_a_model_without_a_head_drafts_by_prompt_lookup_with_a_notice(capsys, mo
 
     from treespec.cli import main
 
-    notice = f"treespec: {chat_lm_dir} has no EAGLE head: drafting by prompt lookup (--draft ngram); train one with: " \
-             f"treespec train-eagle --model {chat_lm_dir} --out DIR (docs/own-model.md)"
-    flags = ["--model", str(chat_lm_dir), "--max-new-tokens", "6", "--threads", "1"]
+    notice = f"treespec: {flat_chat_lm_dir} has no EAGLE head: drafting by prompt lookup (--draft ngram); train one with: " \
+             f"treespec train-eagle --model {flat_chat_lm_dir} --out DIR (docs/own-model.md)"
+    flags = ["--model", str(flat_chat_lm_dir), "--max-new-tokens", "6", "--threads", "1"]
     assert main(["generate", *flags, "--chat", "Once upon a time"]) == 0
     out, err = capsys.readouterr()
     assert err.splitlines().count(notice) == 1 and "(draft ngram, tree auto" in err

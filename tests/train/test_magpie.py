@@ -10,24 +10,11 @@ import json
 import pytest
 import torch
 
+from helpers.tiny import CHATML, save_tiny_lm
 from treespec import data
 from treespec.cli import main as cli_main
 from treespec.train.magpie import (EvalOverlap, _chunk_done, captured_conversations, filter_follow_ups,
                                    filter_user_turns, generate_user_turns, normalise, user_turn_prefix)
-
-from helpers.tiny import save_tiny_lm
-
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-@pytest.fixture(scope="module")
-def chat_lm(tmp_path_factory):
-    from treespec.models import load
-
-    model, tok = load(save_tiny_lm(tmp_path_factory.mktemp("tiny")))
-    tok.chat_template = CHATML
-    return model, tok
 
 
 def test_prefix_ends_where_the_user_writes(chat_lm):
