@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from .common import Bars
+from .bars import Bars
 
 
 def journal_line(args, journal: Path) -> str:

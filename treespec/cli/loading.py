@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from .common import (DEFAULT_DRAFT, DEFAULT_SPEC, Bars, UserError, auto_profile, check_early, generation_options, log,
-                     sampling)
+from .bars import Bars
+from .common import DEFAULT_DRAFT, DEFAULT_SPEC, UserError, auto_profile, check_early, generation_options, log, sampling
 from .specs import LOOKUP_SUFFIX, HeadForAnotherModel, check_draft_spec, tree
 
 __all__ = ["LOOKUP_SUFFIX", "check_draft_spec", "tree", "check", "stream_options", "load", "load_model", "drafter",

@@ -7,7 +7,8 @@ import contextlib
 from pathlib import Path
 from types import SimpleNamespace
 
-from .common import Bars, UserError, add_model
+from .bars import Bars
+from .common import UserError, add_model
 
 
 def add_arguments(p):

@@ -7,7 +7,8 @@ import shlex
 from pathlib import Path
 from types import SimpleNamespace
 
-from .common import (DEFAULT_DRAFT, Bars, UserError, add_auto_profile, add_dataset, add_model, add_runtime,
+from .bars import Bars
+from .common import (DEFAULT_DRAFT, UserError, add_auto_profile, add_dataset, add_model, add_runtime,
                      add_sampling, auto_profile, portable)
 
 
