@@ -45,7 +45,8 @@ The package, in the order a run goes through it:
     journal   the JSONL file a stopped run resumes from (:class:`~treespec.bench.journal.Journal`)
     judge     a greedy output that left HF generate's, judged in fp32 (:mod:`treespec.divergence`)
     report    :func:`to_json` (the figures above) and :func:`header_lines`
-    table     :func:`format_table`, the plain-text table with its legend
+    table     :func:`format_table`, the plain-text table with its legend, and :func:`format_report`,
+              the whole printed report, redrawn from a report's JSON alone
     plots     :func:`save_plots`, the PNGs
 
 This package never prints: progress goes to ``callback``, details to ``logging``.
@@ -53,13 +54,13 @@ This package never prints: progress goes to ``callback``, details to ``logging``
 
 from __future__ import annotations
 
-from .configs import HF_GENERATE, HF_LOOKUP, TREESPEC, TREESPEC_AR, BenchConfig, BenchSettings
+from .configs import HF_GENERATE, HF_LOOKUP, PEER, TREESPEC, TREESPEC_AR, BenchConfig, BenchSettings
 from .plots import save_plots
 from .report import header_lines, spec_bench_ratio, to_json
 from .results import BenchProgress, BenchResult, ConfigResult, RunRecord
 from .running import run_bench
-from .table import TABLE_WIDTH, format_table
+from .table import TABLE_WIDTH, format_report, format_table
 
 __all__ = ["BenchConfig", "BenchSettings", "BenchResult", "ConfigResult", "BenchProgress", "RunRecord", "run_bench",
-           "format_table", "to_json", "header_lines", "save_plots", "spec_bench_ratio", "TABLE_WIDTH", "HF_GENERATE",
-           "HF_LOOKUP", "TREESPEC", "TREESPEC_AR"]
+           "format_table", "format_report", "to_json", "header_lines", "save_plots", "spec_bench_ratio", "TABLE_WIDTH",
+           "HF_GENERATE", "HF_LOOKUP", "TREESPEC", "TREESPEC_AR", "PEER"]

@@ -15,6 +15,8 @@ HF_GENERATE = "hf-generate"
 HF_LOOKUP = "hf-prompt-lookup"
 TREESPEC = "treespec"
 TREESPEC_AR = "treespec-ar"
+#: a row another engine ran on a report's prompts (benchmarks/peers/run.py adds it; no BenchConfig runs it)
+PEER = "peer"
 
 
 @dataclass(frozen=True)

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .configs import HF_GENERATE, TREESPEC
+from .configs import HF_GENERATE, PEER, TREESPEC
 
 
 def save_plots(data: dict, out_dir, prefix: str = "") -> list[Path]:
     """PNGs from ``to_json``'s output: acceptance rate by draft position per treespec
     configuration (``{prefix}acceptance_by_position.png``), tokens/s per configuration as
-    bars (``{prefix}tokens_per_second.png``) and, where the prompts have categories
-    (Spec-Bench), speedup per category as grouped bars (``{prefix}speedup_by_category.png``).
+    bars (``{prefix}tokens_per_second.png``; another engine's rows, benchmarks/peers/, in a
+    colour of their own) and, where the prompts have categories (Spec-Bench), speedup per
+    category as grouped bars (``{prefix}speedup_by_category.png``).
     Returns the paths written."""
     from matplotlib.figure import Figure
 
@@ -45,7 +46,7 @@ def save_plots(data: dict, out_dir, prefix: str = "") -> list[Path]:
     ax = fig.add_subplot()
     names = [c["name"] for c in configs]
     tps = [c["tokens_per_second"] for c in configs]
-    colors = ["#9aaabb" if c["kind"] != TREESPEC else "#4a6d8c" for c in configs]
+    colors = [{TREESPEC: "#4a6d8c", PEER: "#c0813a"}.get(c["kind"], "#9aaabb") for c in configs]
     bars = ax.bar(range(len(names)), tps, color=colors)
     for b, c in zip(bars, configs):
         if c.get("speedup") is not None:

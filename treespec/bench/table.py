@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .configs import HF_GENERATE, HF_LOOKUP, TREESPEC, TREESPEC_AR
+from .configs import HF_GENERATE, HF_LOOKUP, PEER, TREESPEC, TREESPEC_AR
+from .report import header_lines
 
 
 def _fmt(v, spec, suffix=""):
@@ -39,8 +40,10 @@ class _Column:
 
 
 def _mismatch_cell(c: dict, greedy: bool, wide: bool) -> str:
-    if not greedy or c["kind"] == HF_GENERATE:
+    if not greedy or c["kind"] == HF_GENERATE or c.get("mismatches") is None:
         return "-"
+    if c["kind"] == PEER:  # another engine's arithmetic on other weights: counted, never judged
+        return f"{c['mismatches']} differ" if c["mismatches"] else "0"
     n, bad = c["mismatches"], c.get("unexplained", c["mismatches"])
     if not n:
         return "0"
@@ -87,7 +90,8 @@ def _main_columns(data: dict, wide: bool, max_positions: int) -> list[_Column]:
                 "greedy only: prompts whose output differs from HF generate's, each judged in fp32 at its first "
                 "differing token and at every later one on its own prefix: a rounding near-tie (bf16 or packed "
                 "weights can round two logits level) or unexplained (a bug; bench exits with status 1); '-' not "
-                "compared"),
+                "compared" + ("; a peer's: prompts whose output differs, not judged (another engine's arithmetic, on "
+                              "the GGUF's quantized weights)" if any(c["kind"] == PEER for c in data["configs"]) else "")),
     ]
 
 
@@ -144,6 +148,9 @@ def _config_meaning(data: dict, configs: list[dict], aliases: dict[str, str]) ->
         parts.append(f"{HF_LOOKUP}-K: transformers' prompt lookup decoding, K tokens{on}")
     if any(c["kind"] == TREESPEC and c.get("draft") != "none" for c in configs):
         parts.append("DRAFT/TREE: treespec drafting with DRAFT (+lookup: prompt lookup grafted on) on trees TREE")
+    if PEER in kinds:
+        parts.append("peer:ENGINE: another engine, run on this run's prompts and token budget (benchmarks/peers/): "
+                     + "; ".join(f"{c['name']} = {c['description']}" for c in configs if c["kind"] == PEER))
     parts += [f"{a} = {d}" for a, d in aliases.items()]
     return "; ".join(parts)
 
@@ -186,6 +193,37 @@ def format_table(data: dict, max_positions: int = 5, *, wide: bool = False, lege
     lines.pop()
     lines += [f"{c['name']} skipped: {c['skipped']}" for c in data["configs"] if c.get("skipped")]
     return "\n".join(lines + (["", _legend(meanings)] if legend else []))
+
+
+def format_report(data: dict, *, wide: bool = False) -> str:
+    """The report ``treespec bench`` prints and writes beside its JSON (the .txt, under the
+    command's line), drawn from ``to_json``'s output and the CLI's extra keys (``model``,
+    ``dataset``, ``prompt_format``) alone, so that a report read back redraws byte for byte:
+    the title, :func:`header_lines`, :func:`format_table` and the notes."""
+    prompts = data["prompts"]
+    counts = {c: sum(p.get("category") == c for p in prompts) for c in data.get("categories", [])}
+    s = data["settings"]
+    title = (f"{data['model']} on {data['dataset']} ({data['prompt_format']} prompts): {s['num_prompts']} prompt(s)"
+             + _per_category(counts) + f", {s['max_new_tokens']} new tokens"
+             + (" a turn" if any(p.get("turns", 1) > 1 for p in prompts) else "")
+             + ", " + ("greedy" if s["temperature"] == 0 else f"temperature {s['temperature']}"))
+    return "\n".join([_wrap(title), *(_wrap(line) for line in header_lines(data)), format_table(data, wide=wide),
+                      *(_wrap(f"note: {note}") for note in data["notes"])]) + "\n"
+
+
+def _per_category(counts: dict[str, int]) -> str:
+    if not counts:
+        return ""
+    if len(set(counts.values())) == 1:
+        return f", {next(iter(counts.values()))} per category"
+    return " (" + ", ".join(f"{n} {c}" for c, n in counts.items()) + ")"
+
+
+def _wrap(text: str) -> str:
+    """A line of the report within the table's width (a long path stays whole)."""
+    import textwrap
+
+    return textwrap.fill(text, TABLE_WIDTH, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)
 
 
 def _legend(meanings: dict[str, str]) -> str:

@@ -116,7 +116,7 @@ def run(args):
     if profile is not None and not any(cfg.auto for cfg, _ in trees.values()):
         log.warning("--auto-profile is for auto trees: none of the configurations uses it")
 
-    from ..bench import format_table, header_lines, run_bench, to_json
+    from ..bench import format_report, run_bench, to_json
 
     # keep_packed: HF generate runs on packed weights too, whichever weights treespec runs on,
     # so that the same-path baseline is the faster of plain and packed HF generate.
@@ -139,8 +139,7 @@ def run(args):
     progress.close()
     data = to_json(res, command="treespec " + shlex.join(portable(a) for a in args.argv), model=args.model,
                    dataset=portable(args.dataset), prompt_format=fmt)
-    report = "\n".join([_title(args, data, prompts, fmt, sp), *(_wrap(line) for line in header_lines(data)),
-                        format_table(data, wide=args.wide), *(_wrap(f"note: {note}") for note in data["notes"])]) + "\n"
+    report = format_report(data, wide=args.wide)
     sys.stdout.write(report)
     _write(args, data, report, out)
     if args.journal is None:
@@ -193,14 +192,6 @@ def output_paths(args, now: float | None = None) -> tuple[Path, Path]:
     return out, out.with_suffix(".jsonl" if out.suffix != ".jsonl" else ".journal.jsonl")
 
 
-def _title(args, data: dict, prompts, fmt: str, sp) -> str:
-    counts = {c: sum(p.category == c for p in prompts) for c in data.get("categories", [])}
-    return _wrap(f"{args.model} on {data['dataset']} ({fmt} prompts): {len(prompts)} prompt(s)"
-                 + _per_category(counts) + f", {args.max_new_tokens} new tokens"
-                 + (" a turn" if any(p.num_turns > 1 for p in prompts) else "")
-                 + ", " + ("greedy" if sp.greedy else f"temperature {sp.temperature}"))
-
-
 def _write(args, data: dict, report: str, out: Path) -> None:
     """The report as JSON at ``out`` and as printed beside it (.txt), the plots where asked;
     each path printed."""
@@ -216,20 +207,3 @@ def _write(args, data: dict, report: str, out: Path) -> None:
                   else f"{Path(args.out).stem}-" if args.out else "bench-")
         for path in save_plots(data, args.plot_dir, prefix):
             print(f"wrote {path}")
-
-
-def _per_category(counts: dict[str, int]) -> str:
-    if not counts:
-        return ""
-    if len(set(counts.values())) == 1:
-        return f", {next(iter(counts.values()))} per category"
-    return " (" + ", ".join(f"{n} {c}" for c, n in counts.items()) + ")"
-
-
-def _wrap(text: str) -> str:
-    """A line of the report within the table's width (a long path stays whole)."""
-    import textwrap
-
-    from ..bench import TABLE_WIDTH
-
-    return textwrap.fill(text, TABLE_WIDTH, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)
