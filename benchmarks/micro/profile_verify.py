@@ -9,7 +9,7 @@ tree tokens after a prompt, through treespec's runner, split into
     rest               wall time minus the above: norms, RoPE, activations, residual adds,
                        transformers' Python per layer and the dispatcher
 
-    python benchmarks/micro/profile_verify.py [--dtype bfloat16] [--q 16] [--pack both]
+    python benchmarks/micro/profile_verify.py [--dtype bfloat16] [--q 16] [--pack both] [--weights gguf]
 
 With ``--pack no`` the script also runs against an older checkout (copy ``benchmarks/__init__.py``,
 ``benchmarks/timing.py`` and ``benchmarks/micro/`` into it): the "before" column of docs/benchmarks.md.
@@ -105,11 +105,13 @@ def main(argv=None) -> int:
     p.add_argument("--prefix", type=int, default=160)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--weights", choices=["dense", "gguf", "int4", "int8"], default="dense",
+                   help="the target's linear layers (treespec.models.load's weights=)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, _ = load(args.model, dtype=getattr(torch, args.dtype))
+    model, _ = load(args.model, dtype=getattr(torch, args.dtype), weights=args.weights)
     runner = ModelRunner(model, "torch")
     packed = None
     if args.pack != "no":
