@@ -80,13 +80,15 @@ def accept(trees: list[Tree], choices: torch.Tensor) -> list[Verdict]:
     ok = ~(pt.mask & ~correct[:, None, :]).any(-1) & pt.valid
     # Siblings carry distinct tokens, so at most one node per depth is reachable.
     best = torch.where(ok, pt.depth, -1).argmax(dim=1)  # [B]
+    rows = torch.arange(len(trees), device=best.device)
+    paths = pt.mask[rows, best].tolist()  # [B, n_max]: each best node's ancestors and itself
+    bonus = choices[rows, best].tolist()  # [B]: the target's own token after each path
     out = []
-    for b in range(len(trees)):
-        path = torch.nonzero(pt.mask[b, best[b]]).flatten().tolist()
-        toks = pt.tokens[b, path[1:]].tolist() + [int(choices[b, best[b]])]
+    for b, (on, t) in enumerate(zip(paths, bonus)):
+        path = [j for j, x in enumerate(on) if x]
+        toks = pt.tokens[b, path[1:]].tolist() + [t]
         out.append(Verdict(path, toks))
     return out
-
 
 
 def target_choices(trees: list[Tree], logits: list[torch.Tensor], decodings: Sequence["RequestDecoding"],

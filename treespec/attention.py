@@ -476,8 +476,10 @@ def backend_for(owner: torch.nn.Module, name: str, device) -> AttentionBackend:
     an EAGLE head) on ``device``: built on the first call, the same object on every later one
     while ``owner`` lives, so ``generate`` calls and draft sessions share one (FlashInfer's
     holds a 128 MiB workspace). A backend serves one forward at a time: the one model attends
-    through it layer after layer, as its attention implementation is switched for the run.
-    Raises ValueError as :func:`get_backend` does."""
+    through it layer after layer, as its attention implementation is switched for the run. So
+    two threads must not generate on one model at once (FlashInfer's plan is the backend's
+    state; the model's attention switch was already one per model). Raises ValueError as
+    :func:`get_backend` does."""
     device = torch.device(device)
     key = (backend_name(name, device), str(device))
     kept = _BUILT.setdefault(owner, {})

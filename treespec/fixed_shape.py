@@ -19,8 +19,10 @@ on shapes that depend only on the bucket (4, 8, 16, 32 or 64 tokens a row) and o
 - each layer attends over the row's whole capacity C, key j seen by node i when
   ``j < committed[r]`` or j - committed[r] is token i or its ancestor: the mask is computed
   from the buffers inside the forward, once, so the prefix grows in a tensor and not in a shape. A
-  padded node sees only itself (no all-masked softmax); the rows of finished requests are all
-  padding. Keys outside the mask add exact zeros to the softmax as long as they are finite,
+  padded node sees the committed prefix and itself (no all-masked softmax); the rows of finished
+  requests are all padding, and their writes land in their own row: the loop's cache is its own
+  (``new_rows_cache``) and nothing takes pages from its pool while the loop runs, so the pages a
+  finished request gave back are never another's. Keys outside the mask add exact zeros to the softmax as long as they are finite,
   and the cache holds only finite K/V (it starts zeroed).
 
 Trees past the largest bucket, or past their row, go through today's forward. With

@@ -140,7 +140,7 @@ def test_a_tree_past_the_largest_bucket_runs_todays_forward():
 
 def test_mask_by_hand():
     """Row 0: 2 committed tokens and a tree (root, two children) padded to 4; row 1: no tree
-    (a finished request): all padding, each padded token sees itself only."""
+    (a finished request): all padding, each padded token sees the committed prefix and itself."""
     tree = Tree([-1, 0, 0], [5, 6, 7])
     N = 4
     local = torch.eye(N, dtype=torch.bool).repeat(2, 1, 1)
@@ -149,7 +149,7 @@ def test_mask_by_hand():
     assert mask[0].tolist() == [[1, 1, 1, 0, 0, 0, 0],
                                 [1, 1, 1, 1, 0, 0, 0],
                                 [1, 1, 1, 0, 1, 0, 0],
-                                [1, 1, 0, 0, 0, 1, 0]]  # padding: itself only
+                                [1, 1, 0, 0, 0, 1, 0]]  # padding: the prefix and itself
     assert mask[1].tolist() == [[1, 1, 0, 0, 0, 0, 0],  # its committed token, then itself
                                 [1, 0, 1, 0, 0, 0, 0],
                                 [1, 0, 0, 1, 0, 0, 0],
@@ -160,7 +160,7 @@ def test_mask_by_hand():
 @given(tree_list=st.lists(trees(max_nodes=64, vocab=V), min_size=1, max_size=3), bucket=st.sampled_from([64, 128]))
 def test_ancestor_masks_are_the_trees_masks(tree_list, bucket):
     """Computed from parents on fixed shapes, each tree's mask is its Tree.attention_mask; a
-    padded token (parent -1) sees itself only."""
+    padded token (parent -1) sees the committed prefix and itself."""
     parents = torch.full((len(tree_list), bucket), -1)
     for r, t in enumerate(tree_list):
         parents[r, :t.num_nodes] = t.parents

@@ -250,7 +250,7 @@ def _commit(run: Run, active: list[Request], verdicts: list[Verdict], features: 
             toks = toks[: end + 1]
         path = v.path[: len(toks)]  # the root and the accepted nodes whose KV is kept (host ints: no read back)
         L = cache.seq_lens[r.cache_seq]
-        cache.commit(r.cache_seq, [L + i for i in path])
+        cache.commit(r.cache_seq, [L + j for j in path])
         r.sequence.extend(toks)
         r.done = end is not None or r.num_generated >= run.max_new_tokens
         tokens.append(toks)

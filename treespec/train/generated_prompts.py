@@ -23,7 +23,6 @@ Regenerate the shipped files (from the repository root)::
 from __future__ import annotations
 
 import gzip
-import hashlib
 import importlib
 import inspect
 import io
@@ -153,11 +152,6 @@ def _short_source(obj) -> str | None:
     if not (4 <= len(lines) <= 30) or len(src) > 1200 or any(len(line) > 100 for line in lines):
         return None
     return "\n".join(lines)
-
-
-def _key(*parts: str) -> int:
-    """A stable small hash (Python's ``hash`` of a str changes per process)."""
-    return int.from_bytes(hashlib.sha256("\0".join(parts).encode()).digest()[:8], "big")
 
 
 def stdlib_code_prompts(modules=STDLIB_MODULES, seed: int = 0) -> list[dict]:
