@@ -36,6 +36,7 @@ C a row's capacity, V vocabulary, F features, H query heads, Hkv key heads, D he
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -51,7 +52,15 @@ __all__ = ["FixedShapeVerify", "FixedRowsAttention", "BUCKETS", "bucket_for", "r
 
 log = logging.getLogger(__name__)
 
-BUCKETS = (4, 8, 16, 32, 64)  # tree tokens a row, root and padding included
+BUCKETS = (1, 4, 8, 16, 32, 64)  # tree tokens a row, root and padding included (1: decoding without a draft)
+#: compiled versions dynamo keeps of the verify forward: one per bucket and cache shape (its
+#: default of 8 would leave later shapes eager)
+RECOMPILE_LIMIT = 64
+
+
+# (model, rows, row capacity, block start, bucket, features) compiled in this process: what
+# precompile skips (dynamo's own cache holds the graphs)
+_COMPILED: set[tuple] = set()
 
 
 def bucket_for(n: int, buckets: Sequence[int] = BUCKETS) -> int | None:
@@ -59,11 +68,16 @@ def bucket_for(n: int, buckets: Sequence[int] = BUCKETS) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
 
+#: the shortest row a compiled verify takes: most chats and benchmark prompts with their budget
+#: fit, so one compile per bucket serves them all (a short warm-up's included)
+COMPILED_MIN_ROW = 512
+
+
 def row_capacity(tokens: int, compile: bool) -> int:
     """The row length a fixed-shape cache asks for to hold ``tokens`` positions. Compiled, a
-    power of two: every row capacity is a new shape to compile, and prompts and budgets vary
-    from call to call."""
-    return 1 << max(tokens - 1, 1).bit_length() if compile else tokens
+    power of two of at least :data:`COMPILED_MIN_ROW`: every row capacity is a new shape to
+    compile, and prompts and budgets vary from call to call."""
+    return max(1 << max(tokens - 1, 1).bit_length(), COMPILED_MIN_ROW) if compile else tokens
 
 
 def fixed_row_tokens(committed: int, tree_tokens: int, mode: bool | str) -> int:
@@ -214,8 +228,40 @@ class FixedShapeVerify:
         self._buffers: dict[int, tuple[_Bucket, _Bucket]] = {}  # N -> (on the device, on the CPU)
         if compile and runner.feature_layers:
             _install_output_hooks(runner.model)
-        self._run = torch.compile(self._body, dynamic=False) if compile else self._body
+        self.compiled = compile
+        self._run = _frozen(torch.compile(self._body, dynamic=False)) if compile else self._body
         self.fixed_forwards = self.fallbacks = 0  # how forwards ran (tests, logs)
+
+    @torch.inference_mode()
+    def precompile(self, tree_tokens: int, capture: bool) -> float:
+        """Compile now every bucket up to the one that holds ``tree_tokens`` (root included),
+        for the forward with or without features (``capture``), so that no step waits for a
+        compile: a forward of padding alone per bucket not yet compiled for this model and cache
+        shape in this process. Returns the seconds it took (0 when eager, or all were compiled).
+
+        Call it before the first step: the dummy forwards write K/V at the start of every row,
+        positions that the prompt's prefill and the trees write again before anything reads them."""
+        if not self.compiled:
+            return 0.0
+        top = bucket_for(tree_tokens, self.buckets) or self.buckets[-1]
+        R, dev = self.attention.rows, self.cache.device
+        start, done = time.perf_counter(), 0
+        for n in (b for b in self.buckets if b <= top):
+            key = (id(self.runner.model), R, self.capacity, self.attention.first, n, capture)
+            if key in _COMPILED:
+                continue
+            device, _ = self._bucket(n)
+            device.ids.zero_()
+            device.parents.fill_(-1)
+            device.committed.zero_()
+            self._run(device, capture and bool(self.runner.feature_layers))
+            _COMPILED.add(key)
+            done += 1
+        seconds = time.perf_counter() - start if done else 0.0
+        if done:
+            log.info("compiled the verify forward for %d bucket(s) up to %d tokens (row of %d) in %.0f s", done, top,
+                     self.capacity, seconds)
+        return seconds
 
     @property
     def capacity(self) -> int:
@@ -278,6 +324,21 @@ class FixedShapeVerify:
         # hidden_states[i]: what enters layer i; [-1]: the final norm's output (FINAL_NORM).
         features = torch.cat([out.hidden_states[fid] for fid in self.runner.feature_layers], dim=-1)
         return logits, features.view(R, N, -1)
+
+
+def _frozen(compiled):
+    """``compiled`` called with inductor's ``freezing`` on, which it reads when it compiles: the
+    weights become constants of the graph, so inductor packs the dense linears for oneDNN on a
+    CPU itself (the layout :mod:`treespec.packing` gives the eager forward, which a compile cannot
+    take over) and folds what depends on the weights alone. A compiled forward therefore keeps the
+    weights it was compiled with: they must not change in place afterwards (the loop runs under
+    ``inference_mode``; another model, or other parameters, compile anew)."""
+    import torch._inductor.config as inductor_config
+
+    def run(*args):
+        with inductor_config.patch(freezing=True), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            return compiled(*args)
+    return run
 
 
 def _install_output_hooks(model) -> None:

@@ -27,6 +27,7 @@ import logging
 import time
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["PackedLinear", "PackedLinears", "packing_supported", "onednn_packs", "native_bf16", "default_dtype"]
@@ -77,6 +78,10 @@ class PackedLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
+        if torch.compiler.is_compiling():
+            # inductor cannot lower a packed weight it did not pack itself; compiled with
+            # freezing (FixedShapeVerify), it packs the plain weight for oneDNN on its own
+            return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:

@@ -10,7 +10,7 @@ own). Each figure is the median of ``--repeats`` calls after a warm-up; the larg
 difference of each fixed-shape row against today's forward is printed beside it.
 
     python benchmarks/micro/fixed_shape_cost.py [--dtype bfloat16] [--threads 2] [--sizes 1 4 8 16 32]
-        [--cached 128] [--repeats 15] [--no-compile] [--out results.json]
+        [--cached 128] [--repeats 15] [--no-compile] [--weights gguf] [--pack] [--out results.json]
 
 Feeds docs/runtime.md, "Fixed-shape verify" (the figures are the lead's, from a quiet machine).
 """
@@ -18,6 +18,7 @@ Feeds docs/runtime.md, "Fixed-shape verify" (the figures are the lead's, from a 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -91,18 +92,25 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-compile", action="store_true", help="leave out the compiled row")
+    p.add_argument("--weights", choices=["dense", "gguf", "int4", "int8"], default="dense",
+                   help="the target's linear layers: dense, the GGUF's own blocks, or quantized on load")
+    p.add_argument("--pack", action="store_true", help="dense linears on packed weights (treespec.packing)")
     p.add_argument("--out", type=Path, default=None, help="also write the figures here (JSON)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if max(args.sizes) > 64 or min(args.sizes) < 1:
         p.error("--sizes: tree tokens from 1 to 64 (the largest bucket)")
-    model, _ = load(args.model, dtype=getattr(torch, args.dtype))
+    model, _ = load(args.model, dtype=getattr(torch, args.dtype), weights=args.weights)
     model.requires_grad_(False)
     runner = ModelRunner(model, "torch")
-    with runner.attached(), torch.inference_mode():
+    packed = contextlib.nullcontext()
+    if args.pack:
+        from treespec.packing import PackedLinears
+        packed = PackedLinears(model)
+    with runner.attached(), packed, torch.inference_mode():
         ms, diff, compile_s = rows(runner, args)
-    print(f"{machine_line(args.model, args.dtype)}: ms per verify forward of q tree tokens after {args.cached} "
+    print(f"{machine_line(args.model, args.dtype)}, {args.weights} weights{', packed' if args.pack else ''}: ms per verify forward of q tree tokens after {args.cached} "
           f"cached (median of {args.repeats})")
     if compile_s:
         print("compiling took " + ", ".join(f"{s:.1f} s (bucket {b})" for b, s in compile_s.items()))
@@ -113,6 +121,7 @@ def main(argv=None) -> int:
     if args.out:
         args.out.write_text(json.dumps({
             "command": command(__file__, argv), "machine": machine_info(), "dtype": args.dtype,
+            "weights": args.weights, "packed": args.pack,
             "cached": args.cached, "compile_seconds": {str(b): s for b, s in compile_s.items()},
             "ms": {k: {str(q): v for q, v in r.items()} for k, r in ms.items()},
             "max_logits_diff": {k: {str(q): v for q, v in r.items()} for k, r in diff.items()},

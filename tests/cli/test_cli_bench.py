@@ -340,3 +340,19 @@ def test_generation_option_flags_reach_generate_and_every_bench_configuration(ca
     assert rc == 0, err
     data = json.loads(res.read_text())
     assert data["mismatches"] == 0 and any("repetition_penalty=1.5" in n for n in data["notes"])
+
+
+def test_bench_compile_adds_a_compiled_twin_of_each_treespec_configuration(capsys, lm_dir, tmp_path, tiny_dataset):
+    """--compile runs each treespec configuration again with its verify forward compiled on
+    fixed shapes (named NAME+compile, marked compiled), after the eager ones; its greedy output
+    is HF generate's like theirs."""
+    res = tmp_path / "r.json"
+    rc, _, err = run_cli(capsys, "bench", "--model", lm_dir, "--dataset", str(tiny_dataset), "--prompt-field", "text",
+                         "--num-prompts", "1", "--max-new-tokens", "8", "--config", "ngram@chain-2", "--no-hf-lookup",
+                         "--no-treespec-ar", "--compile", "--out", str(res))
+    assert rc == 0, err
+    data = json.loads(res.read_text())
+    names = [c["name"] for c in data["configs"]]
+    assert names[-2:] == ["ngram/chain-2", "ngram/chain-2+compile"], names
+    assert data["configs"][-1]["compiled"] is True and "compiled" not in data["configs"][-2]
+    assert data["mismatches"] == 0

@@ -16,6 +16,7 @@ Targets are tiny (V = 64); fp32, one thread.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 
 import pytest
@@ -125,7 +126,7 @@ def test_sliding_windows_equal_todays_forward(prompt, tree, family):
 
 
 def test_the_smallest_bucket_that_holds_the_tree_runs():
-    assert [bucket_for(n) for n in (1, 4, 5, 16, 17, 64, 65)] == [4, 4, 8, 16, 32, 64, None]
+    assert [bucket_for(n) for n in (1, 2, 4, 5, 16, 17, 64, 65)] == [1, 4, 4, 8, 16, 32, 64, None]
     prompt, tree = [3, 1, 4], Tree.chain(5, [1, 2, 3, 4, 5, 6])  # 6 tokens: bucket 8
     _, got, verify, _ = both_forwards(model_of("llama"), [prompt], [tree])
     assert list(verify._buffers) == [8]
@@ -250,8 +251,8 @@ def test_a_prefix_cache_hit_gives_the_same_tokens(kind):
 
 
 def test_compiled_forward_compiles_once_per_bucket_and_equals_eager():
-    """Two buckets, each met at several prefix lengths and trees: two graphs (one per bucket),
-    logits within fp32 rounding of the eager forward's."""
+    """Three buckets, each met at several prefix lengths and trees: three graphs (one per
+    bucket), logits within fp32 rounding of the eager forward's."""
     import torch._dynamo.utils as dynamo_utils
 
     torch._dynamo.reset()
@@ -265,7 +266,7 @@ def test_compiled_forward_compiles_once_per_bucket_and_equals_eager():
     graphs = []
     with runner.attached():
         for step in range(8):
-            n = [2, 6, 3, 8, 1, 5, 4, 7][step]  # buckets 4 and 8, prefixes growing from 0
+            n = [2, 6, 3, 8, 1, 5, 4, 7][step]  # buckets 4, 8 and 1, prefixes growing from 0
             tree_list = [Tree.chain(n - 1, [(step + i + j) % V for i in range(n)]) for j in range(2)]
             cached = [3 * step, 2 * step + 1]
             a = compiled.forward(seqs, tree_list, cached, capture=True)
@@ -277,7 +278,7 @@ def test_compiled_forward_compiles_once_per_bucket_and_equals_eager():
                     c.seq_lens[s] = L
             graphs.append(dynamo_utils.counters["stats"]["unique_graphs"])
     assert compiled.fixed_forwards == 8
-    assert graphs == [1, 2, 2, 2, 2, 2, 2, 2], graphs  # bucket 4 at step 0, bucket 8 at step 1, then none
+    assert graphs == [1, 2, 2, 2, 3, 3, 3, 3], graphs  # bucket 4 at step 0, 8 at step 1, 1 at step 4, then none
     assert not dynamo_utils.counters["graph_break"]
 
 
@@ -293,6 +294,69 @@ def test_generate_compiled_gives_todays_tokens():
         if budget == 12:
             graphs = dynamo_utils.counters["stats"]["unique_graphs"]
     assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
+
+
+def test_precompile_compiles_each_bucket_once_and_steps_compile_nothing():
+    """``precompile`` compiles every bucket up to the tree's (1, 4 and 8 here) before the first
+    step; the steps then add no graph, and a second verify over a cache of the same shape
+    (the next generate call) compiles nothing, precompile included."""
+    import torch._dynamo.utils as dynamo_utils
+
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    model = model_of("llama", 4)
+    runner = ModelRunner(model, "torch", feature_layers=[0, FINAL_NORM])
+    with runner.attached():
+        for call in range(2):
+            cache, seqs = runner.new_rows_cache(1, fixed_row_tokens(30, 8, "compile"), 4)
+            verify = FixedShapeVerify(runner, cache, seqs, compile=True)
+            seconds = verify.precompile(8, capture=True)
+            graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+            if call == 0:
+                assert seconds > 0 and graphs == 3, graphs  # buckets 1, 4 and 8
+            else:
+                assert seconds == 0.0 and graphs == 3
+            for step, n in enumerate((1, 3, 8, 5)):
+                verify.forward(seqs, [Tree.chain(n - 1, [(step + i) % V for i in range(n)])], [2 * step + 1],
+                               capture=True)
+            assert dynamo_utils.counters["stats"]["unique_graphs"] == 3
+    assert verify.fixed_forwards == 4 and not dynamo_utils.counters["graph_break"]
+
+
+def test_eager_precompile_does_nothing():
+    model = model_of("llama", 4)
+    runner = ModelRunner(model, "torch")
+    cache, seqs = runner.new_rows_cache(1, fixed_row_tokens(10, 4, True), 4)
+    assert FixedShapeVerify(runner, cache, seqs).precompile(4, capture=False) == 0.0
+
+
+@pytest.mark.parametrize("weights", ["packed", "int4"])
+def test_compiled_forward_on_packed_and_int4_weights_equals_eager(weights):
+    """Compiled with inductor's freezing: oneDNN-packed linears (treespec.packing, which the
+    compile hands their plain weight, packed again by inductor) and 4-bit ones
+    (treespec.models.quant) give the eager forward's logits within bf16 rounding."""
+    from treespec.models.quant import quantize_linears
+    from treespec.packing import PackedLinears, packing_supported
+
+    torch._dynamo.reset()
+    model = tiny_model("llama", 6, layers=2, hidden=64).to(torch.bfloat16)
+    if weights == "packed" and not packing_supported(model):
+        pytest.skip("oneDNN cannot pack bfloat16 weights on this CPU (no AVX512 BW/VL/DQ or AVX-NE-CONVERT)")
+    if weights == "int4":
+        quantize_linears(model, "int4")
+    swap = PackedLinears(model) if weights == "packed" else contextlib.nullcontext()
+    runner = ModelRunner(model, "torch")
+    tree_list = [Tree([-1, 0, 0, 1, 2], [3, 9, 4, 7, 1])]
+    got = []
+    with swap:
+        for compile in (False, True):
+            cache, seqs = runner.new_rows_cache(1, fixed_row_tokens(16, 8, "compile"), 4)
+            with runner.attached():
+                verify = FixedShapeVerify(runner, cache, seqs, compile=compile)
+                for L in (5, 9):
+                    out = verify.forward(seqs, tree_list, [L])
+            got.append(out.logits[0].float())
+    assert (got[0] - got[1]).abs().max() <= 2e-2 * got[0].abs().max()
 
 
 def test_compiled_bf16_logits_are_eagers_within_bf16_rounding():

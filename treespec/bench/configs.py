@@ -3,6 +3,7 @@ kinds), and :class:`BenchSettings`, how every configuration runs."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ class BenchConfig:
     draft_name: str | None = None
     tree_name: str | None = None
     fast: bool = True
-    compiled: bool = False  # hf-generate: static cache + torch.compile (transformers' own path)
+    compiled: bool = False  # hf-generate: static cache + torch.compile; treespec: fixed_shapes="compile"
 
     def __post_init__(self):
         if self.kind not in (HF_GENERATE, HF_LOOKUP, TREESPEC):
@@ -80,8 +81,17 @@ class BenchConfig:
         return cls(f"{draft_name}/{tree_name}", TREESPEC, drafter, tree,
                    draft_name=draft_name, tree_name=tree_name, fast=fast)
 
+    def compiled_twin(self) -> "BenchConfig":
+        """This treespec configuration with its verify forward on fixed shapes, compiled
+        (``generate(..., fixed_shapes="compile")``), named ``NAME+compile``."""
+        if self.kind != TREESPEC:
+            raise ValueError(f"only treespec configurations have a compiled twin, not {self.name!r}")
+        return dataclasses.replace(self, name=f"{self.name}+compile", compiled=True)
+
     def describe(self) -> dict:
         d = {"name": self.name, "kind": self.kind, "fast": self.fast}
+        if self.compiled:
+            d["compiled"] = True
         if self.kind == HF_LOOKUP:
             d["prompt_lookup_num_tokens"] = self.lookup_tokens
         if self.kind == TREESPEC:

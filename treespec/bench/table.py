@@ -27,7 +27,7 @@ _CATEGORY_MEANING = {"conversation": "MT-bench's 80, two turns each", "translati
 
 
 _TAU = ("mean accepted length: tokens committed per verify forward of the target, its own (bonus) token included; "
-        "treespec only")
+        "treespec's, and a peer's where the engine counts it (vLLM: over the steps that drafted)")
 
 
 @dataclass(frozen=True)
@@ -90,8 +90,8 @@ def _main_columns(data: dict, wide: bool, max_positions: int) -> list[_Column]:
                 "greedy only: prompts whose output differs from HF generate's, each judged in fp32 at its first "
                 "differing token and at every later one on its own prefix: a rounding near-tie (bf16 or packed "
                 "weights can round two logits level) or unexplained (a bug; bench exits with status 1); '-' not "
-                "compared" + ("; a peer's: prompts whose output differs, not judged (another engine's arithmetic, on "
-                              "the GGUF's quantized weights)" if any(c["kind"] == PEER for c in data["configs"]) else "")),
+                "compared" + ("; a peer's: prompts whose output differs, not judged (another engine's arithmetic: "
+                              "llama.cpp's on the GGUF's quantized weights, vLLM's own CPU kernels)" if any(c["kind"] == PEER for c in data["configs"]) else "")),
     ]
 
 

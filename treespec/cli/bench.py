@@ -54,6 +54,9 @@ def add_arguments(p):
     p.add_argument("--hf-compile", action="store_true",
                    help="also run HF generate with a static cache and torch.compile (compiles for a minute or more "
                         "first; on the CPUs measured it was slower than plain HF generate, docs/benchmarks.md)")
+    p.add_argument("--compile", action="store_true",
+                   help="also run each treespec configuration with its verify forward compiled on fixed shapes "
+                        "(fixed_shapes='compile'; the warm-up compiles, about a minute a tree size on 2 cores)")
     add_dataset(p)
     add_sampling(p, seed=0)
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
@@ -172,6 +175,8 @@ def _configs(args, loaded, pairs: list[tuple[str, str]], trees: dict) -> list:
         cfg, tname = trees[t]
         if not any(c.drafter is drafter and c.tree_name == tname for c in configs):  # both default drafts may
             configs.append(BenchConfig.treespec(drafter, cfg, dname, tname, fast=fast))  # fall back to one
+    if args.compile:
+        configs += [c.compiled_twin() for c in configs if c.kind == "treespec"]
     return configs
 
 

@@ -108,11 +108,9 @@ def decode(run: Run) -> Iterator[StepOutput]:
         row_tokens = (fixed_row_tokens(longest, max_nodes + 1, runner.fixed_shapes) if runner.fixed_shapes
                       else longest + max_nodes + 1)
         cache, cache_seqs = runner.new_rows_cache(B, row_tokens, run.page_size)
-        # The verify forward on fixed shapes, when asked: its buffers live as long as the rows.
-        fixed = (FixedShapeVerify(runner, cache, cache_seqs, compile=runner.fixed_shapes == "compile")
-                 if runner.fixed_shapes else None)
         rows = [Request(b, list(p), d, s) for b, (p, d, s) in enumerate(zip(run.prompts, run.decodings, cache_seqs))]
         with timer("prefill"):
+            fixed = _fixed_verify(runner, cache, cache_seqs, max_nodes)
             features, scores = _prefill(run, rows, cache, prefix_use)
         metrics.record_first_tokens(prefix_use.hits, timer.total().total_seconds)
         yield StepOutput(0, [[r.root] for r in rows], [r.done for r in rows], metrics, scores)
@@ -207,6 +205,16 @@ def _draft(run: Run, session, auto, timer: _StepTimer, active: list[Request],
             raise RuntimeError(f"{type(run.drafter).__name__} proposed a tree whose root is not the last committed "
                                "token")
     return trees
+
+
+def _fixed_verify(runner: ModelRunner, cache, seqs, max_nodes: int) -> FixedShapeVerify | None:
+    """The verify forward on fixed shapes, when asked (its buffers live as long as the rows);
+    compiled, every bucket a tree can take is compiled here, before the prompts' K/V go in."""
+    if not runner.fixed_shapes:
+        return None
+    fixed = FixedShapeVerify(runner, cache, seqs, compile=runner.fixed_shapes == "compile")
+    fixed.precompile(max_nodes + 1, capture=bool(runner.feature_layers))
+    return fixed
 
 
 def _tree_forward(runner: ModelRunner, fixed: FixedShapeVerify | None, cache, active: list[Request],
