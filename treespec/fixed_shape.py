@@ -43,6 +43,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from .compiled import frozen_compile
+from .compiled import row_capacity as compiled_row_capacity
 from .kv_cache import PagedKVCache
 from .runner import ForwardOutput
 from .tree import Tree
@@ -53,9 +55,6 @@ __all__ = ["FixedShapeVerify", "FixedRowsAttention", "BUCKETS", "bucket_for", "r
 log = logging.getLogger(__name__)
 
 BUCKETS = (1, 4, 8, 16, 32, 64)  # tree tokens a row, root and padding included (1: decoding without a draft)
-#: compiled versions dynamo keeps of the verify forward: one per bucket and cache shape (its
-#: default of 8 would leave later shapes eager)
-RECOMPILE_LIMIT = 64
 
 
 # (model, rows, row capacity, block start, bucket, features) compiled in this process: what
@@ -68,16 +67,11 @@ def bucket_for(n: int, buckets: Sequence[int] = BUCKETS) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
 
-#: the shortest row a compiled verify takes: most chats and benchmark prompts with their budget
-#: fit, so one compile per bucket serves them all (a short warm-up's included)
-COMPILED_MIN_ROW = 512
-
-
 def row_capacity(tokens: int, compile: bool) -> int:
-    """The row length a fixed-shape cache asks for to hold ``tokens`` positions. Compiled, a
-    power of two of at least :data:`COMPILED_MIN_ROW`: every row capacity is a new shape to
-    compile, and prompts and budgets vary from call to call."""
-    return max(1 << max(tokens - 1, 1).bit_length(), COMPILED_MIN_ROW) if compile else tokens
+    """The row length a fixed-shape cache asks for to hold ``tokens`` positions: exactly that,
+    or compiled, :func:`treespec.compiled.row_capacity` (a power of two, 512 at least): every
+    row capacity is a new shape to compile, and prompts and budgets vary from call to call."""
+    return compiled_row_capacity(tokens, True) if compile else tokens
 
 
 def fixed_row_tokens(committed: int, tree_tokens: int, mode: bool | str) -> int:
@@ -229,7 +223,7 @@ class FixedShapeVerify:
         if compile and runner.feature_layers:
             _install_output_hooks(runner.model)
         self.compiled = compile
-        self._run = _frozen(torch.compile(self._body, dynamic=False)) if compile else self._body
+        self._run = frozen_compile(self._body, dynamic=False) if compile else self._body
         self.fixed_forwards = self.fallbacks = 0  # how forwards ran (tests, logs)
 
     @torch.inference_mode()
@@ -324,21 +318,6 @@ class FixedShapeVerify:
         # hidden_states[i]: what enters layer i; [-1]: the final norm's output (FINAL_NORM).
         features = torch.cat([out.hidden_states[fid] for fid in self.runner.feature_layers], dim=-1)
         return logits, features.view(R, N, -1)
-
-
-def _frozen(compiled):
-    """``compiled`` called with inductor's ``freezing`` on, which it reads when it compiles: the
-    weights become constants of the graph, so inductor packs the dense linears for oneDNN on a
-    CPU itself (the layout :mod:`treespec.packing` gives the eager forward, which a compile cannot
-    take over) and folds what depends on the weights alone. A compiled forward therefore keeps the
-    weights it was compiled with: they must not change in place afterwards (the loop runs under
-    ``inference_mode``; another model, or other parameters, compile anew)."""
-    import torch._inductor.config as inductor_config
-
-    def run(*args):
-        with inductor_config.patch(freezing=True), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            return compiled(*args)
-    return run
 
 
 def _install_output_hooks(model) -> None:

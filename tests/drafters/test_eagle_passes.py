@@ -233,7 +233,7 @@ def test_graphed_row_is_lent_to_one_session_at_a_time(eagle_ckpts, caplog):
     assert first.static is drafter.graphed_row.passes
     with caplog.at_level("WARNING", logger="treespec.drafters.eagle"):
         second = session()
-    assert second.static is None and "another session holds this drafter's graphs" in caplog.text
+    assert second.static is None and "another session holds this drafter's row" in caplog.text
     first.finish(0)
     third = session()
     assert third.static is drafter.graphed_row.passes
@@ -261,3 +261,28 @@ def test_graphed_row_returns_when_a_stream_is_closed_early_and_comes_back_zeroed
     assert out.sequences == [hf_greedy(model, p, 20)]
     assert torch.isfinite(row.keys).all()
     assert all(torch.isfinite(q.logp).all() for q in row.passes.values())
+
+
+def test_compiled_passes_through_the_engine_equal_hf_generate(eagle_ckpts):
+    """``compile_passes=True``: the static passes through ``torch.compile`` on a CPU give HF
+    generate's greedy output with the head alone and with lookup grafted on, drafting every
+    level and commit on them; a handful of graphs serves every pass size (sizes one and two
+    specialised, the rest one dynamic graph), and the drafter says what it runs."""
+    import torch._dynamo.utils as dynamo_utils
+
+    from treespec.drafters import HybridDrafter
+
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    model = eagle_target("eagle3")
+    drafter = treespec.load_draft(eagle_ckpts("eagle3")[0], model, compile_passes=True)
+    assert "compiled passes" in repr(drafter)
+    for draft in (drafter, HybridDrafter(drafter)):
+        for p in ([1, 5, 9, 3, 7, 5, 9, 3, 7], list(range(20, 45))):
+            out = treespec.generate(model, draft, "cpu", [p], max_new_tokens=20)
+            assert out.sequences == [hf_greedy(model, p, 20)]
+    sizes = drafter.graphed_row.passes.passes
+    assert len(sizes) >= 4, sorted(sizes)  # levels and commits of several sizes ran on compiled passes
+    assert dynamo_utils.counters["stats"]["unique_graphs"] <= 4
+    with pytest.raises(ValueError, match="not both"):
+        treespec.load_draft(eagle_ckpts("eagle3")[0], model, compile_passes=True, cuda_graphs=True)

@@ -43,7 +43,7 @@ LAYERS: tuple[Layer, ...] = (
     Layer("foundations", ("warn", "tree", "config", "builder", "processing", "accept", "constraints", "sampling_args",
                           "mask", "data", "assets"),
           "values and pure functions on them, and the files that ship; no model runs here"),
-    Layer("execution", ("models", "packing", "threads", "kv_cache", "prefix_cache", "attention", "runner",
+    Layer("execution", ("compiled", "models", "packing", "threads", "kv_cache", "prefix_cache", "attention", "runner",
                         "fixed_shape"),
           "loading a model and running its forward over trees on the paged KV cache"),
     Layer("sizing", ("calibration", "costs", "pack_choice", "auto"),

@@ -83,10 +83,13 @@ class BenchConfig:
 
     def compiled_twin(self) -> "BenchConfig":
         """This treespec configuration with its verify forward on fixed shapes, compiled
-        (``generate(..., fixed_shapes="compile")``), named ``NAME+compile``."""
+        (``generate(..., fixed_shapes="compile")``), and an EAGLE head's passes compiled
+        (``with_compiled_passes``), named ``NAME+compile``."""
         if self.kind != TREESPEC:
             raise ValueError(f"only treespec configurations have a compiled twin, not {self.name!r}")
-        return dataclasses.replace(self, name=f"{self.name}+compile", compiled=True)
+        compiled = getattr(self.drafter, "with_compiled_passes", None)
+        return dataclasses.replace(self, name=f"{self.name}+compile", compiled=True,
+                                   drafter=compiled() if compiled is not None else self.drafter)
 
     def describe(self) -> dict:
         d = {"name": self.name, "kind": self.kind, "fast": self.fast}

@@ -43,16 +43,22 @@ class EagleDrafter(Drafter):
     ``cuda_graphs``: on a CUDA device, run a single request's head passes (tree levels, commits)
     on fixed shapes and replay each shape from a CUDA graph captured on its first use and kept
     for the next requests (:mod:`treespec.drafters.graphs`); batches of several requests run
-    eagerly.
+    eagerly. ``compile_passes``: the same fixed-shape passes through ``torch.compile`` instead
+    (any device; one graph for every pass size past the first two), the head's weights frozen
+    into the graph.
     """
 
     def __init__(self, head: EagleHead, attention_backend: str = "auto", page_size: int = 16,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, compile_passes: bool = False):
+        if cuda_graphs and compile_passes:
+            raise ValueError("an EAGLE drafter's passes run from CUDA graphs (cuda_graphs) or compiled "
+                             "(compile_passes), not both")
         self.head = head
         self.attention_backend = attention_backend
         self.page_size = page_size
-        self.cuda_graphs = cuda_graphs
-        self.graphed_row = GraphedRow()  # the graphs and their cache row, lent to one session at a time
+        self.cuda_graphs, self.compile_passes = cuda_graphs, compile_passes
+        # the static passes and their cache row, lent to one session at a time
+        self.graphed_row = GraphedRow(capture=not compile_passes, compile=compile_passes)
 
     @classmethod
     def from_pretrained(cls, path, target_model, **kw):
@@ -62,6 +68,13 @@ class EagleDrafter(Drafter):
         if not head.config.eagle3 and cls is Eagle3Drafter:
             raise ValueError(f"{path} is an EAGLE-1/2 checkpoint: use EagleDrafter or treespec.load_draft")
         return _with_calibration(cls(head, **kw), path)
+
+    def with_compiled_passes(self) -> "EagleDrafter":
+        """This drafter, its single request's head passes compiled (``compile_passes``): the
+        same head (shared, not copied) and calibrations, a row of its own."""
+        twin = type(self)(self.head, self.attention_backend, self.page_size, compile_passes=True)
+        twin.auto_calibration = self.auto_calibration
+        return twin
 
     def modules(self):
         return (self.head,)
@@ -87,7 +100,7 @@ class EagleDrafter(Drafter):
     def __repr__(self):
         c = self.head.config
         kind = "EAGLE-3" if c.eagle3 else "EAGLE-1/2"
-        graphs = ", CUDA graphs" if self.cuda_graphs else ""
+        graphs = ", CUDA graphs" if self.cuda_graphs else ", compiled passes" if self.compile_passes else ""
         return f"{type(self).__name__}({kind}, hidden {c.hidden_size}, draft vocab {c.draft_vocab_size}{graphs})"
 
 
@@ -155,19 +168,20 @@ class EagleSession(DraftSession):
                                       kv_dtype(self.dtype, self.device), self.device)
 
     def _borrow_row(self, drafter: EagleDrafter, count: int, longest: int):
-        """With ``cuda_graphs``: ``(cache, seq, static passes)`` lent by the drafter's graphed row
+        """With ``cuda_graphs`` or ``compile_passes``: ``(cache, seq, static passes)`` lent by the drafter's row
         for ``count == 1`` request, or None (several requests, or another session holds it)."""
-        if not drafter.cuda_graphs:
+        if not (drafter.cuda_graphs or drafter.compile_passes):
             return None
         if self.device.type != "cuda" and drafter.graphed_row.capture:
             raise ValueError(f"cuda_graphs=True needs the draft head on a CUDA device; it is on {self.device}")
         if count > 1:
-            log.warning("CUDA graphs serve one request at a time: these %d requests are drafted eagerly", count)
+            log.warning("static head passes (CUDA graphs, compiled) serve one request at a time: these %d requests "
+                        "are drafted eagerly", count)
             return None
         lent = drafter.graphed_row.lend(self, self.head, longest, self.room,
                                         lambda tokens: self._rows(drafter, 1, tokens))
         if lent is None:
-            log.warning("CUDA graphs: another session holds this drafter's graphs; this one drafts eagerly")
+            log.warning("static head passes: another session holds this drafter's row; this one drafts eagerly")
         return lent
 
     def _prompt_entries(self, ctx: DraftStart) -> tuple[list[list[int]], list[torch.Tensor]]:

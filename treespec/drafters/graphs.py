@@ -41,6 +41,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..compiled import frozen_compile, row_capacity
 from ..kv_cache import PagedKVCache
 
 log = logging.getLogger(__name__)
@@ -60,22 +61,27 @@ class StaticPasses:
                      prompt length would be captured once and never replayed).
     """
 
-    def __init__(self, head, keys: torch.Tensor, values: torch.Tensor, capture: bool, max_entries: int):
+    def __init__(self, head, keys: torch.Tensor, values: torch.Tensor, capture: bool, max_entries: int,
+                 compile: bool = False):
         if capture and keys.device.type != "cuda":
             raise ValueError(f"CUDA graphs need the draft head on a CUDA device; it is on {keys.device}")
+        if capture and compile:
+            raise ValueError("static head passes are captured in CUDA graphs or compiled, not both")
         self.max_entries = max_entries
         self.passes: dict[int, _Pass] = {}
         self._shared = _Shared(head, keys, values, head.rope_table(keys.shape[0]),  # positions < L + m <= C
-                               torch.cuda.graph_pool_handle() if capture else None)  # one pool for all shapes
+                               torch.cuda.graph_pool_handle() if capture else None,  # one pool for all shapes
+                               frozen_compile(head_pass) if compile else None)
 
     @classmethod
-    def over_row(cls, head, cache: PagedKVCache, seq: int, capture: bool, max_entries: int) -> "StaticPasses":
+    def over_row(cls, head, cache: PagedKVCache, seq: int, capture: bool, max_entries: int,
+                 compile: bool = False) -> "StaticPasses":
         """The passes over sequence ``seq``'s row of a one-layer cache made by
         :meth:`PagedKVCache.with_rows`."""
         first, stride, (row,) = cache.block_rows([seq], 0)
         start = first + row * stride
         keys, values = cache.flat(0)
-        return cls(head, keys[start: start + stride], values[start: start + stride], capture, max_entries)
+        return cls(head, keys[start: start + stride], values[start: start + stride], capture, max_entries, compile)
 
     @property
     def keys(self) -> torch.Tensor:  # [C, Hkv, D], the row's keys; values likewise
@@ -116,10 +122,12 @@ class StaticPasses:
 
 class _Shared:
     """What every pass shape of a :class:`StaticPasses` reads (no reference back to it, so a
-    dropped one is freed at once, graphs, pool and cache row with it)."""
+    dropped one is freed at once, graphs, pool and cache row with it). ``compiled``: the
+    compiled :func:`head_pass` that every shape runs, or None."""
 
-    def __init__(self, head, keys, values, rope, pool):
+    def __init__(self, head, keys, values, rope, pool, compiled=None):
         self.head, self.keys, self.values, self.rope, self.pool = head, keys, values, rope, pool
+        self.compiled = compiled
         self.capacity = keys.shape[0]
 
 
@@ -191,28 +199,40 @@ class _Pass:
         log.debug("captured the draft head's pass of %d entries in a CUDA graph", self.n)
 
     def _body(self) -> None:
-        owner, head = self.owner, self.owner.head
-        c = head.config
-        cos = owner.rope[0].index_select(0, self.positions)  # [n, D]
-        sin = owner.rope[1].index_select(0, self.positions)
-
-        def attend(q, k, v):  # q [n, Hq, D], k/v [n, Hkv, D]
-            owner.keys.index_copy_(0, self.slots, k.to(owner.keys.dtype))
-            owner.values.index_copy_(0, self.slots, v.to(owner.values.dtype))
-            n, Hq, D = q.shape
-            Hkv = k.shape[1]
-            g = Hq // Hkv  # query heads per key head: head h reads key head h // g
-            keys = owner.keys.transpose(0, 1).to(torch.float32)  # [Hkv, C, D]
-            values = owner.values.transpose(0, 1).to(torch.float32)
-            q = q.to(torch.float32).view(n, Hkv, g, D).permute(1, 2, 0, 3).reshape(Hkv, g * n, D)
-            mask = self.mask[None].expand(g, n, owner.capacity).reshape(g * n, owner.capacity)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=c.head_dim ** -0.5)
-            return out.view(Hkv, g, n, D).permute(2, 0, 1, 3).reshape(n, Hq, D).to(k.dtype)
-
+        owner = self.owner
+        run = owner.compiled or head_pass
         # Outputs in the graphs' shared pool: another shape's replay may overwrite them, so
         # StaticPasses.run hands out clones taken right after this shape's launch.
-        self.states = head(self.tokens, self.hidden, self.positions, attend, (cos, sin))
-        self.logp = head.logits(self.states).float().log_softmax(-1)
+        self.states, self.logp = run(owner.head, owner.keys, owner.values, owner.rope[0], owner.rope[1],
+                                     self.tokens, self.hidden, self.positions, self.slots, self.mask)
+
+
+def head_pass(head, keys, values, cos_table, sin_table, tokens, hidden, positions, slots, mask):
+    """One fixed-shape head pass: the states ``[n, H]`` and fp32 log-probabilities ``[n, Vd]``
+    of ``n`` entries (``tokens``, ``hidden``, ``positions``), their K/V written into the row
+    (``keys``, ``values`` ``[C, Hkv, D]``) at ``slots``, each attending over the row's keys that
+    ``mask`` ``[n, C]`` lets it see. What a CUDA graph captures, and what a compile compiles (one
+    graph for every ``n`` past the first, as dynamo makes the changed size dynamic)."""
+    c = head.config
+    C = keys.shape[0]
+    cos = cos_table.index_select(0, positions)  # [n, D]
+    sin = sin_table.index_select(0, positions)
+
+    def attend(q, k, v):  # q [n, Hq, D], k/v [n, Hkv, D]
+        keys.index_copy_(0, slots, k.to(keys.dtype))
+        values.index_copy_(0, slots, v.to(values.dtype))
+        n, Hq, D = q.shape
+        Hkv = k.shape[1]
+        g = Hq // Hkv  # query heads per key head: head h reads key head h // g
+        kf = keys.transpose(0, 1).to(torch.float32)  # [Hkv, C, D]
+        vf = values.transpose(0, 1).to(torch.float32)
+        q = q.to(torch.float32).view(n, Hkv, g, D).permute(1, 2, 0, 3).reshape(Hkv, g * n, D)
+        m = mask[None].expand(g, n, C).reshape(g * n, C)
+        out = F.scaled_dot_product_attention(q, kf, vf, attn_mask=m, scale=c.head_dim ** -0.5)
+        return out.view(Hkv, g, n, D).permute(2, 0, 1, 3).reshape(n, Hq, D).to(k.dtype)
+
+    states = head(tokens, hidden, positions, attend, (cos, sin))
+    return states, head.logits(states).float().log_softmax(-1)
 
 
 class GraphedRow:
@@ -220,8 +240,8 @@ class GraphedRow:
     session at a time (:meth:`lend`) so that graphs captured by one request serve the next.
     ``capture=False`` runs the same passes uncaptured (what the CUDA tests compare with)."""
 
-    def __init__(self, capture: bool = True):
-        self.capture = capture
+    def __init__(self, capture: bool = True, compile: bool = False):
+        self.capture, self.compile = capture, compile
         self.cache: PagedKVCache | None = None
         self.seq = 0
         self.passes: StaticPasses | None = None
@@ -235,14 +255,17 @@ class GraphedRow:
         if self._holder is not None and self._holder() is not None:
             return None
         weights = _addresses(head)
-        if (self.passes is None or not tokens <= self.passes.capacity < 4 * tokens  # too short, or far too long
-                or weights != self._weights):
+        # Too short, or (captured) far too long; compiled, a longer row is kept: a new length is a
+        # new shape to compile, where a graph's replay costs nothing to make.
+        fits = self.passes is not None and tokens <= self.passes.capacity and (
+            self.compile or self.passes.capacity < 4 * tokens)
+        if not fits or weights != self._weights:
             self.passes = self.cache = None  # the old graphs and row go first: the new ones need the memory
             if weights != self._weights:
                 head.forget_rope_table()  # recomputed from the weights as they are now
             # A power of two: a session a little longer than the last reuses the row.
-            self.cache, (self.seq,) = make_cache(1 << max(tokens - 1, 1).bit_length())
-            self.passes = StaticPasses.over_row(head, self.cache, self.seq, self.capture, max_entries)
+            self.cache, (self.seq,) = make_cache(row_capacity(tokens, self.compile))
+            self.passes = StaticPasses.over_row(head, self.cache, self.seq, self.capture, max_entries, self.compile)
             self._weights = weights
         else:
             self.cache.truncate(self.seq, 0)

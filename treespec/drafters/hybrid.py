@@ -91,6 +91,16 @@ class HybridDrafter(Drafter):
         self.auto_calibration = primary.auto_calibration
         self.extra_nodes = self.lookup.num_nodes
 
+    def with_compiled_passes(self) -> "HybridDrafter":
+        """This hybrid with its primary's head passes compiled, where the primary has them
+        (:meth:`~treespec.drafters.eagle.EagleDrafter.with_compiled_passes`); the same lookup."""
+        compiled = getattr(self.primary, "with_compiled_passes", None)
+        if compiled is None:
+            return self
+        twin = HybridDrafter(compiled(), self.lookup)
+        twin.auto_calibration = self.auto_calibration
+        return twin
+
     def check_compatible(self, model) -> None:
         self.primary.check_compatible(model)
 
