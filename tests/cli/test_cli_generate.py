@@ -43,6 +43,28 @@ def test_generate_ngram_streams_the_greedy_continuation(capsys, caplog, monkeypa
     assert said and said[0].startswith("measuring what a verify forward of 1 to")
 
 
+def test_generate_compile_gives_the_greedy_continuation(capsys, caplog, monkeypatch, lm, lm_dir):
+    """--compile: the verify forward compiled on fixed shapes (and an EAGLE head's passes; prompt
+    lookup has none, which one warning says) gives HF generate's greedy text."""
+    import treespec.engine
+
+    seen, real = {}, treespec.engine.stream
+
+    def spy(*args, **kw):
+        seen.update(kw)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(treespec.engine, "stream", spy)
+    rc, out, err = run_cli(capsys, "generate", "--model", lm_dir, "--draft", "ngram", "--tree", "chain-2",
+                           "--prompt", "Once upon a time", "--max-new-tokens", "12", "--compile")
+    assert rc == 0, err
+    assert out.startswith(hf_greedy_text(*lm, "Once upon a time", 12))
+    assert seen["fixed_shapes"] == "compile"
+    said = [r.getMessage() for r in caplog.records]
+    assert any("drafter runs eagerly" in m for m in said)
+    assert any(m.startswith("compiled the verify forward for") for m in said)  # what the first run waited on
+
+
 def test_generate_refuses_a_prompt_past_the_context_unless_asked(capsys, lm_dir):
     long = "Once upon a time " * 80  # past the tiny model's 256 positions
     rc, _, err = run_cli(capsys, "generate", "--model", lm_dir, "--draft", "ngram", "--tree", "chain-2",

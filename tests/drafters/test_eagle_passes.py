@@ -286,3 +286,20 @@ def test_compiled_passes_through_the_engine_equal_hf_generate(eagle_ckpts):
     assert dynamo_utils.counters["stats"]["unique_graphs"] <= 4
     with pytest.raises(ValueError, match="not both"):
         treespec.load_draft(eagle_ckpts("eagle3")[0], model, compile_passes=True, cuda_graphs=True)
+
+
+@pytest.mark.parametrize("fixed_shapes", [False, "compile"])
+def test_compiled_passes_draft_the_eager_trees(eagle_ckpts, fixed_shapes):
+    """fp32: the head's compiled passes propose exactly the trees the eager lean pass proposes,
+    step by step, with the verify eager or compiled on fixed shapes (whose features feed the head)."""
+    from treespec.drafters import HybridDrafter, RecordingDrafter
+
+    model = eagle_target("eagle3")
+    eager = treespec.load_draft(eagle_ckpts("eagle3")[0], model)
+    prompt = [1, 5, 9, 3, 7, 5, 9, 3, 7, 2, 4]
+    recs = []
+    for drafter, shapes in ((eager, False), (eager.with_compiled_passes(), fixed_shapes)):
+        rec = RecordingDrafter(HybridDrafter(drafter))
+        treespec.generate(model, rec, "cpu", [prompt], max_new_tokens=24, fixed_shapes=shapes)
+        recs.append([[(t.tokens.tolist(), t.parents.tolist()) for t in trees] for trees, _ in rec.trees])
+    assert len(recs[0]) > 3 and recs[0] == recs[1]

@@ -92,9 +92,10 @@ def generation_options(args) -> dict:
     return {k: getattr(args, flag) for k, flag in fields.items() if getattr(args, flag, None) is not None}
 
 
-def add_runtime(p, *, device: str = "auto", dtype: str = "auto", pack: bool | None = None, graphs: bool = True):
-    """--backend, --cuda-graphs (``graphs``: where a drafter runs), --threads, --device, --dtype, --weights,
-    --pack; ``tree
+def add_runtime(p, *, device: str = "auto", dtype: str = "auto", pack: bool | None = None,
+                graphs: bool | str = True):
+    """--backend, --cuda-graphs (``graphs``: where a drafter runs; ``"compile"``: --compile too), --threads,
+    --device, --dtype, --weights, --pack; ``tree
     show`` passes cpu, float32 and no packing (what it always drew with), so its defaults stay."""
     def here(value, usual):
         return "" if value == usual else f" (default here: {value})"
@@ -105,6 +106,10 @@ def add_runtime(p, *, device: str = "auto", dtype: str = "auto", pack: bool | No
     if graphs:  # not for capture, which runs the target alone
         p.add_argument("--cuda-graphs", action="store_true", help="on a CUDA GPU, replay the EAGLE head's passes "
                        "from CUDA graphs (one request at a time; other drafters run eagerly)")
+    if graphs == "compile":  # generate's and chat's; bench's --compile adds compiled twins instead
+        p.add_argument("--compile", dest="compiled", action="store_true", help="compile the verify forward on fixed "
+                       "shapes and an EAGLE head's passes (torch.compile; the first run compiles: about a minute "
+                       "a tree size on 2 cores, docs/runtime.md)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: one per physical core available; on a machine whose cores "
                         "other processes keep busy, fewer is much faster, often 1: see README, Threads)")

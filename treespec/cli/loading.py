@@ -3,10 +3,9 @@
     check:  flags -> sampling -> tree specs -> (a dataset file) -> draft specs
     load:   threads -> target -> (prompts) -> drafters -> packed weights (where they pay)
 
-Every mistake a user can make in a flag answers in ``check``, before seconds of loading;
-``load`` then reads the prompts before any drafter, so a bad prompt field fails before a
-draft model loads. Tree specs (a preset, ``chain-K`` or a JSON file) and draft specs (see
-the package docstring) are read by :mod:`.specs`.
+Every mistake a user can make in a flag answers in ``check``, before seconds of loading; ``load``
+then reads the prompts before any drafter, so a bad prompt field fails before a draft model
+loads. Tree specs (a preset, ``chain-K`` or a JSON file) and draft specs are read by :mod:`.specs`.
 """
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ def stream_options(args, sp, cfg) -> dict:
     if not cfg.auto and args.auto_profile:
         log.warning("--auto-profile is for the auto tree: --tree %s does not use it", args.tree)
     return dict(max_new_tokens=args.max_new_tokens, temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p,
-                min_p=sp.min_p, seed=args.seed, attention_backend=args.backend,
+                min_p=sp.min_p, seed=args.seed, attention_backend=args.backend, fixed_shapes=args.compiled and "compile",
                 auto_profile=auto_profile(args) if cfg.auto else None, **generation_options(args))
 
 
@@ -101,15 +100,15 @@ def load_target(args):
     return (model.to(where) if where != "cpu" else model), tok
 
 
-def drafter(spec: str, model, tokenizer, backend: str, cuda_graphs: bool = False):
+def drafter(spec: str, model, tokenizer, backend: str, cuda_graphs: bool | str = False):
     """``(Drafter, short name)`` for a draft spec, checked against ``model``; ``cuda_graphs``
-    applies to an EAGLE head (other drafters have no graphs to capture)."""
+    (True, or ``"compile"``: the passes compiled) applies to an EAGLE head's passes."""
     from ..drafters import ModelDrafter, NgramDrafter, load_draft
 
     check_draft_spec(spec)
     if cuda_graphs and (spec in ("ngram", "none") or spec.startswith(("layers:", "model:"))) \
             and not spec.endswith(LOOKUP_SUFFIX):  # a graft's primary is checked on its own
-        log.warning("--cuda-graphs applies to EAGLE heads: the %s drafter runs eagerly", spec)
+        log.warning("--cuda-graphs and --compile's passes are an EAGLE head's: the %s drafter runs eagerly", spec)
     if spec.endswith(LOOKUP_SUFFIX):
         from ..drafters import HybridDrafter
 
@@ -142,7 +141,8 @@ def drafter(spec: str, model, tokenizer, backend: str, cuda_graphs: bool = False
     else:
         name = spec if "/" not in spec else Path(spec).name
         try:
-            d = load_draft(spec, model, attention_backend=backend, cuda_graphs=cuda_graphs)
+            d = load_draft(spec, model, attention_backend=backend, cuda_graphs=cuda_graphs is True,
+                           compile_passes=cuda_graphs == "compile")
             d.check_compatible(model)
         except ValueError as e:  # a head made for another model (vocabulary, hidden size)
             raise HeadForAnotherModel(
@@ -241,8 +241,8 @@ def load(args, drafts: Iterable[str] = (), prompts: Callable | None = None, keep
     if busy:
         log.warning(busy)
     out = Loaded(model, tok, prompts(tok) if prompts is not None else None)
-    graphs = getattr(args, "cuda_graphs", False)
-    if graphs and next(model.parameters()).device.type != "cuda":
+    graphs = getattr(args, "cuda_graphs", False) or ("compile" if getattr(args, "compiled", False) else False)
+    if graphs is True and next(model.parameters()).device.type != "cuda":
         raise UserError("--cuda-graphs needs the model on a CUDA GPU (--device cuda)")
     out.drafters = _drafters(args, drafts, model, tok, graphs)
     out.fast, out.packing = fast_path(args, model, [d for d, _ in out.drafters.values()], keep=keep_packed)

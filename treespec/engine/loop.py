@@ -108,9 +108,9 @@ def decode(run: Run) -> Iterator[StepOutput]:
         row_tokens = (fixed_row_tokens(longest, max_nodes + 1, runner.fixed_shapes) if runner.fixed_shapes
                       else longest + max_nodes + 1)
         cache, cache_seqs = runner.new_rows_cache(B, row_tokens, run.page_size)
+        fixed = _fixed_verify(runner, cache, cache_seqs, max_nodes)  # compiling (logged) is no step's time
         rows = [Request(b, list(p), d, s) for b, (p, d, s) in enumerate(zip(run.prompts, run.decodings, cache_seqs))]
         with timer("prefill"):
-            fixed = _fixed_verify(runner, cache, cache_seqs, max_nodes)
             features, scores = _prefill(run, rows, cache, prefix_use)
         metrics.record_first_tokens(prefix_use.hits, timer.total().total_seconds)
         yield StepOutput(0, [[r.root] for r in rows], [r.done for r in rows], metrics, scores)
