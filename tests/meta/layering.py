@@ -46,7 +46,7 @@ LAYERS: tuple[Layer, ...] = (
     Layer("execution", ("compiled", "models", "packing", "threads", "kv_cache", "prefix_cache", "attention", "runner",
                         "fixed_shape"),
           "loading a model and running its forward over trees on the paged KV cache"),
-    Layer("sizing", ("calibration", "costs", "pack_choice", "auto"),
+    Layer("sizing", ("calibration", "costs", "pack_choice", "split_choice", "auto"),
           "how big a tree is worth verifying, and on which weights: calibrated scores, measured forward costs"),
     Layer("drafters", ("drafters",), "who proposes the tree"),
     Layer("decoding", ("engine",), "the loop: prefill, then draft -> verify -> commit"),

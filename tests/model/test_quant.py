@@ -347,6 +347,61 @@ def test_stories260k_quantized_on_load(weights, one_thread):
     assert kinds == {"Int4Linear" if weights == "int4" else "Int8Linear", "Linear", "SiLUActivation"}
 
 
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_width_split_runs_the_quantized_copy_up_to_its_rows_and_its_own_weights_above(weights, one_thread):
+    """keep_dense: a forward of up to max_rows rows runs the quantized copy, a wider one the dense
+    copy, whose weights are what the quantized layer de-quantizes to (fp32: equal within fp32
+    rounding), so treespec's greedy output on the split model is its own HF generate's at any
+    width, and the format names the split."""
+    from treespec.models.quant import WidthSplitLinear, keep_dense, set_split_rows
+
+    model = tiny_model("llama", 3, hidden=64, heads=4, kv_heads=2)
+    quantize_linears(model, weights)
+    assert keep_dense(model, max_rows=2) == 2 * 7
+    layer = model.model.layers[0].mlp.down_proj
+    assert isinstance(layer, WidthSplitLinear)
+    calls = []
+    for name in ("quantized", "dense"):
+        getattr(layer, name).register_forward_hook(lambda m, i, o, name=name: calls.append((name, i[0].shape[1])))
+    x2, x3 = torch.randn(1, 2, 128), torch.randn(1, 3, 128)
+    with torch.no_grad():
+        layer(x2), layer(x3)
+        assert calls == [("quantized", 2), ("dense", 3)]
+        w = layer.quantized.dequantize().float()
+        torch.testing.assert_close(layer.dense(x3), F.linear(x3, w), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer.quantized(x3), layer.dense(x3), rtol=1e-4, atol=1e-4)
+    assert weights_format(model).endswith("split2")
+    ids = torch.tensor([[1, 5, 9, 5, 9, 5]])
+    for rows in (0, 2, 1 << 30):
+        set_split_rows(model, rows)
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
+        out = treespec.generate(model, NgramDrafter(), "cpu-tiny", [ids[0].tolist()], max_new_tokens=16)
+        assert out.sequences[0] == ref[0, 6:].tolist()
+
+
+def test_choose_split_rows_keeps_the_quantized_copy_while_it_is_faster(monkeypatch):
+    """The width is the widest from 1 at which the quantized copies ran faster at every width
+    so far (a fake clock: quantized faster at 1 and 2 rows, slower from 4)."""
+    from treespec import split_choice
+    from treespec.models.quant import keep_dense
+
+    model = tiny_model("llama", 3, hidden=64, heads=4, kv_heads=2)
+    quantize_linears(model, "int4")
+    keep_dense(model)
+
+    def fake_forward(runner, max_tokens, clock):
+        def once(q):
+            quantized = model.model.layers[0].mlp.down_proj.max_rows > 1000
+            return q * (0.5 if quantized and q <= 2 else 2.0 if quantized else 1.0)
+        return once
+
+    monkeypatch.setattr(split_choice, "prefixed_forward", fake_forward)
+    rows, times = split_choice.choose_split_rows(model)
+    assert rows == 2 and times[1] == (0.5, 1.0) and times[4] == (8.0, 4.0)
+    assert model.model.layers[1].self_attn.q_proj.max_rows == 2
+    assert split_choice.choose_split_rows(tiny_model("llama", 3)) == (0, {})  # no split layers: untouched
+
+
 def test_packing_leaves_quantized_layers_and_keys_by_format():
     """oneDNN packing takes the dense layers left (the head); its cached timings are per format."""
     from treespec.packing import PackedLinear, PackedLinears, packing_supported

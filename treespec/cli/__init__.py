@@ -175,8 +175,9 @@ def _main(argv) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     # What a first run waits on is said, -v or not: auto measuring this machine's verify costs,
-    # --compile compiling, and the packing choice when it is measured (-v: also the cached one it read).
-    for name in ("treespec.costs", "treespec.fixed_shape"):
+    # --compile compiling, the width of --weights X+dense, and the packing choice when it is measured
+    # (-v: also the cached one it read).
+    for name in ("treespec.costs", "treespec.fixed_shape", "treespec.split_choice"):
         logging.getLogger(name).setLevel(logging.INFO)
     logging.getLogger("treespec.pack_choice").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     try:

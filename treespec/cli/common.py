@@ -119,13 +119,15 @@ def add_runtime(p, *, device: str = "auto", dtype: str = "auto", pack: bool | No
                    help="weights and activations of the target and draft (probabilities and verification stay "
                         "fp32). auto: bfloat16 on a GPU or a CPU with native bf16 (AVX512-BF16/AMX), else float32"
                         + here(dtype, "auto"))
-    p.add_argument("--weights", choices=["dense", "gguf", "int4", "int8"], default="dense",
+    p.add_argument("--weights", choices=["dense", "gguf", "int4", "int8", "gguf+dense", "int4+dense", "int8+dense"],
+                   default="dense",
                    help="the target's linear layers: dense (in --dtype, the default); gguf, on the GGUF file's own "
                         "Q4_0/Q4_1/Q4_K/Q8_0 blocks (a .gguf model or a named one, as the default model is: exact to "
                         "the file's weights up to --dtype's rounding of their scales); int4 (groups of 32) or int8 "
                         "(a scale a row), quantized on load. Not dense: torch's CPU kernels, bfloat16 the fast "
-                        "--dtype, the output head dense, and the output that of the model so quantized "
-                        "(docs/runtime.md)")
+                        "--dtype, the output head dense, and the output that of the model so quantized; X+dense: X "
+                        "for forwards up to the width where it measures faster, the dense weights kept for wider "
+                        "ones (docs/runtime.md)")
     p.add_argument("--pack", action=argparse.BooleanOptionalAction, default=pack,
                    help="run the model's linear layers on oneDNN-packed weights (CPU; about 0.5 s to pack, doubles "
                         "the linear weights' memory); --no-pack: on plain weights. Default: whichever runs a verify "
@@ -203,3 +205,17 @@ def portable(arg: str) -> str:
     if path.is_relative_to(home):
         return "~/" + path.relative_to(home).as_posix()
     return arg
+
+
+def split_rows(loaded):
+    """Where the target keeps dense copies beside quantized weights (``--weights X+dense``): up to
+    which width the quantized ones run, measured under the weights treespec runs on
+    (:func:`treespec.split_choice.choose_split_rows`, said in one line). Returns ``loaded``."""
+    from ..models.quant import WidthSplitLinear
+
+    if any(isinstance(m, WidthSplitLinear) for m in loaded.model.modules()):
+        from ..split_choice import choose_split_rows
+
+        with loaded.packed():
+            choose_split_rows(loaded.model)
+    return loaded

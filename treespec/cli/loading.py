@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from .bars import Bars
-from .common import DEFAULT_DRAFT, DEFAULT_SPEC, UserError, auto_profile, check_early, generation_options, log, sampling
+from .common import DEFAULT_DRAFT, DEFAULT_SPEC, UserError, auto_profile, check_early, generation_options, log
+from .common import sampling, split_rows
 from .specs import LOOKUP_SUFFIX, HeadForAnotherModel, check_draft_spec, tree
 
 __all__ = ["LOOKUP_SUFFIX", "check_draft_spec", "tree", "check", "stream_options", "load", "load_model", "drafter",
@@ -43,8 +44,8 @@ def stream_options(args, sp, cfg) -> dict:
     if not cfg.auto and args.auto_profile:
         log.warning("--auto-profile is for the auto tree: --tree %s does not use it", args.tree)
     return dict(max_new_tokens=args.max_new_tokens, temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p,
-                min_p=sp.min_p, seed=args.seed, attention_backend=args.backend, fixed_shapes=args.compiled and "compile",
-                auto_profile=auto_profile(args) if cfg.auto else None, **generation_options(args))
+                min_p=sp.min_p, seed=args.seed, attention_backend=args.backend, auto_profile=auto_profile(args)
+                if cfg.auto else None, fixed_shapes=args.compiled and "compile", **generation_options(args))
 
 
 # ---- loading -----------------------------------------------------------------------------
@@ -101,8 +102,7 @@ def load_target(args):
 
 
 def drafter(spec: str, model, tokenizer, backend: str, cuda_graphs: bool | str = False):
-    """``(Drafter, short name)`` for a draft spec, checked against ``model``; ``cuda_graphs``
-    (True, or ``"compile"``: the passes compiled) applies to an EAGLE head's passes."""
+    """``(Drafter, short name)`` for a draft spec, checked against ``model``; ``cuda_graphs``: True or "compile"."""
     from ..drafters import ModelDrafter, NgramDrafter, load_draft
 
     check_draft_spec(spec)
@@ -246,4 +246,4 @@ def load(args, drafts: Iterable[str] = (), prompts: Callable | None = None, keep
         raise UserError("--cuda-graphs needs the model on a CUDA GPU (--device cuda)")
     out.drafters = _drafters(args, drafts, model, tok, graphs)
     out.fast, out.packing = fast_path(args, model, [d for d, _ in out.drafters.values()], keep=keep_packed)
-    return out
+    return split_rows(out)  # --weights X+dense: up to which width X runs

@@ -22,7 +22,7 @@ from .common import LoadProgress, Loaded, ModelUnavailableError, ProgressFn, con
 from .gguf_blocks import gguf_linears
 from .gguf_reader import open_gguf_llama, trips_transformers
 from .hf import from_transformers, no_transformers_bars, open_with_transformers
-from .quant import WEIGHTS, check_kernels, quantize_linears
+from .quant import WEIGHTS, check_kernels, keep_dense, quantize_linears
 from .registry import ModelSpec
 
 __all__ = ["load"]
@@ -78,7 +78,9 @@ def load(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
     ``progress``, if given, receives :class:`LoadProgress` reports of those slow first steps.
     Raises :class:`ModelUnavailableError` when the files cannot be found or fetched.
 
-    ``weights`` (:data:`~.quant.WEIGHTS`): ``"dense"``, every weight in ``dtype``; ``"gguf"``, the
+    ``weights`` (:data:`~.quant.WEIGHTS`; ``X+dense``: X for forwards of a few rows, the dense
+    weights kept beside it for wider ones, :class:`~.quant.WidthSplitLinear`): ``"dense"``, every
+    weight in ``dtype``; ``"gguf"``, the
     linear layers on the GGUF file's own Q4_0 / Q4_1 / Q4_K / Q8_0 blocks (a ``.gguf`` path or a named
     model, which is one; :func:`~.gguf_blocks.gguf_linears`); ``"int4"`` or ``"int8"``, quantized
     on load (:func:`~.quant.quantize_linears`). Quantized weights run on torch's CPU kernels, the
@@ -89,12 +91,15 @@ def load(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
         raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
     if weights != "dense":
         check_kernels()
-    source = _gguf_source(name_or_path, progress) if weights == "gguf" else None  # before seconds of loading
+    kind, split = weights.removesuffix("+dense"), weights.endswith("+dense")
+    source = _gguf_source(name_or_path, progress) if kind == "gguf" else None  # before seconds of loading
     model, tokenizer = _load(name_or_path, dtype, progress)
     if source is not None:
         gguf_linears(model, source)
-    elif weights != "dense":
-        quantize_linears(model, weights)
+    elif kind != "dense":
+        quantize_linears(model, kind)
+    if split:
+        keep_dense(model)
     return model, tokenizer
 
 

@@ -34,14 +34,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["WEIGHTS", "GROUP_SIZES", "Int4Linear", "Int8Linear", "Quantized", "check_kernels", "quantize_linears",
-           "weights_format"]
+__all__ = ["WEIGHTS", "GROUP_SIZES", "Int4Linear", "Int8Linear", "WidthSplitLinear", "Quantized", "check_kernels",
+           "quantize_linears", "keep_dense", "set_split_rows", "weights_format"]
 
 log = logging.getLogger(__name__)
 
 #: what ``load(..., weights=...)`` and ``--weights`` take: dense (the model's own dtype, as before),
-#: the GGUF file's own 4-bit/8-bit blocks, or quantized on load
-WEIGHTS = ("dense", "gguf", "int4", "int8")
+#: the GGUF file's own 4-bit/8-bit blocks, or quantized on load; ``+dense``: the dense weights kept
+#: beside them for wide forwards (:class:`WidthSplitLinear`)
+WEIGHTS = ("dense", "gguf", "int4", "int8", "gguf+dense", "int4+dense", "int8+dense")
+#: a split layer's quantized rows before the width is measured (:func:`treespec.split_choice.choose_split_rows`)
+DEFAULT_SPLIT_ROWS = 4
 #: the int4 kernel's group sizes
 GROUP_SIZES = (32, 64, 128, 256)
 _ROWS = 16  # the int4 kernel packs rows in blocks of 16: other counts are padded with zero rows
@@ -203,6 +206,71 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8"
 
 
+class WidthSplitLinear(nn.Module):
+    """One linear layer on two copies of its weight: ``quantized`` (an :class:`Int4Linear` or
+    :class:`Int8Linear`) for forwards of up to ``max_rows`` rows, ``dense`` (an ``nn.Linear``,
+    which :class:`~treespec.packing.PackedLinears` packs like any other) above.
+
+    At decode widths a forward reads every weight once and the 4-bit kernel reads a quarter of
+    the bytes; at a verify tree's width torch's 4-bit kernel falls behind the dense product
+    (issue 48: 210 linears, one thread, 1 row 15.5 ms 4-bit against 40.0 dense, 16 rows 43.3
+    against 40.3). Both copies hold the same weights up to the kernels' rounding (the dense one
+    is what the quantized one de-quantizes to, rounded to the model's dtype), so a forward's
+    output does not depend on which ran beyond that rounding. Compiled, the width is a constant
+    of the graph and the choice is made once per shape.
+    """
+
+    def __init__(self, quantized: nn.Module, dense: nn.Linear, max_rows: int = DEFAULT_SPLIT_ROWS):
+        super().__init__()
+        if (quantized.in_features, quantized.out_features) != (dense.in_features, dense.out_features):
+            raise ValueError(f"a width split needs one layer's two copies: {quantized} and {dense} differ in shape")
+        self.quantized, self.dense, self.max_rows = quantized, dense, max_rows
+        self.in_features, self.out_features = dense.in_features, dense.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        return self.quantized(x) if rows <= self.max_rows else self.dense(x)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.dense.weight
+
+    def extra_repr(self) -> str:
+        return f"quantized up to {self.max_rows} rows, dense above"
+
+
+def keep_dense(model: nn.Module, max_rows: int = DEFAULT_SPLIT_ROWS) -> int:
+    """Give each quantized layer of ``model`` a dense copy of its own weights (what it
+    de-quantizes to, in its scales' dtype: :meth:`Int4Linear.dequantize`) and wrap the two in a
+    :class:`WidthSplitLinear`, in place; returns how many. The copy is of the quantized weights,
+    not of any weights the model had before: wide forwards run the same model as narrow ones."""
+    count = 0
+    with torch.no_grad():
+        for parent_name, parent in list(model.named_modules()):
+            for attr, child in list(parent.named_children()):
+                if not isinstance(child, (Int4Linear, Int8Linear)):
+                    continue
+                w = child.dequantize().to(child.weight.dtype if isinstance(child, Int8Linear)
+                                          else child.scales_and_zeros.dtype)
+                dense = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,
+                                  dtype=w.dtype, device=w.device)
+                dense.weight.copy_(w)
+                if child.bias is not None:
+                    dense.bias.copy_(child.bias)
+                dense.requires_grad_(False)
+                setattr(parent, attr, WidthSplitLinear(child, dense, max_rows))
+                count += 1
+    return count
+
+
+def set_split_rows(model: nn.Module, max_rows: int) -> int:
+    """Set every :class:`WidthSplitLinear`'s ``max_rows``; returns how many there are."""
+    layers = [m for m in model.modules() if isinstance(m, WidthSplitLinear)]
+    for m in layers:
+        m.max_rows = max_rows
+    return len(layers)
+
+
 @dataclass(frozen=True)
 class Quantized:
     """What a swap did: ``swapped`` the module names now on 4-bit/8-bit weights, ``dense`` each
@@ -279,10 +347,13 @@ def quantize_linears(model: nn.Module, weights: str, group: int = 32, head: bool
 
 def weights_format(model: nn.Module) -> str:
     """What the model's linear layers run on: ``"dense"``, ``"int4-g32"``, ``"int8"``, or several
-    joined by ``+`` (e.g. ``"dense+int4-g32"`` with a dense output head), sorted."""
+    joined by ``+`` (e.g. ``"dense+int4-g32"`` with a dense output head), sorted; ``splitN`` where
+    quantized layers keep their dense copies above N rows (:class:`WidthSplitLinear`)."""
     kinds = set()
     for m in model.modules():
-        if isinstance(m, Int4Linear):
+        if isinstance(m, WidthSplitLinear):
+            kinds.add(f"split{m.max_rows}")
+        elif isinstance(m, Int4Linear):
             kinds.add(f"int4-g{m.group}" + ("x2" if m.copies > 1 else ""))
         elif isinstance(m, Int8Linear):
             kinds.add("int8")
