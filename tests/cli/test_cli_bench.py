@@ -356,3 +356,6 @@ def test_bench_compile_adds_a_compiled_twin_of_each_treespec_configuration(capsy
     assert names[-2:] == ["ngram/chain-2", "ngram/chain-2+compile"], names
     assert data["configs"][-1]["compiled"] is True and "compiled" not in data["configs"][-2]
     assert data["mismatches"] == 0
+    assert all(c["warmup_seconds"] > 0 for c in data["configs"])
+    text = res.with_suffix(".txt").read_text()
+    assert "compiled: the untimed warm-up, which compiles, took" in text and "(ngram/chain-2+compile)" in text

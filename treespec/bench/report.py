@@ -13,6 +13,8 @@ from .results import BenchResult, ConfigResult, RunRecord
 
 def _config_figures(r: ConfigResult, base: ConfigResult) -> dict:
     d = r.config.describe()
+    if r.warmup_seconds is not None:
+        d["warmup_seconds"] = r.warmup_seconds
     if r.skipped:
         d["skipped"] = r.skipped
         return d
@@ -194,4 +196,8 @@ def header_lines(data: dict) -> list[str]:
                      f"weights, the faster here ({packed:.1f} tok/s packed, {plain:.1f} plain)")
     elif same is not None:
         lines.append(f"same-path baseline: {same} (HF generate did not run on packed weights)")
+    compiled = [c for c in data["configs"] if c.get("compiled") and c.get("warmup_seconds") is not None]
+    if compiled:
+        lines.append("compiled: the untimed warm-up, which compiles, took " + ", ".join(
+            f"{c['warmup_seconds']:.0f} s ({c['name']})" for c in compiled))
     return lines

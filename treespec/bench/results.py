@@ -52,6 +52,7 @@ class ConfigResult:
     first_diff: dict[int, int] = field(default_factory=dict)  # prompt -> first differing token
     divergences: dict[int, Divergence] = field(default_factory=dict)  # prompt -> fp32 judgement
     skipped: str | None = None
+    warmup_seconds: float | None = None  # the untimed warm-up's wall time (a compiled one compiles there)
 
     @property
     def unexplained(self) -> list[int]:

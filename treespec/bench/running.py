@@ -157,8 +157,10 @@ def run_bench(model, prompts: Sequence[Sequence[int] | Prompt], configs: Sequenc
     done = len(book.done) if book is not None else 0
     if s.warmup and done < len(prompts):  # first calls run several times slower (allocations, kernel selection)
         for i, r in enumerate(active):
+            t0 = time.perf_counter()
             _run_one(model, r.config, list(prompts[0].ids[:16]), min(16, s.max_new_tokens), s.seed, s,
                      profiles.get(r.config.name))
+            r.warmup_seconds = time.perf_counter() - t0
             callback(BenchProgress("warmup", i + 1, len(active), r.config.name))
     for i, prompt in enumerate(prompts):
         if i >= done:
