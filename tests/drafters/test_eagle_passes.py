@@ -288,10 +288,11 @@ def test_compiled_passes_through_the_engine_equal_hf_generate(eagle_ckpts):
         treespec.load_draft(eagle_ckpts("eagle3")[0], model, compile_passes=True, cuda_graphs=True)
 
 
-@pytest.mark.parametrize("fixed_shapes", [False, "compile"])
-def test_compiled_passes_draft_the_eager_trees(eagle_ckpts, fixed_shapes):
+@pytest.mark.parametrize("fixed_shapes, lookup, tree", [(False, True, "cpu"), ("compile", False, "cpu-tiny")])
+def test_compiled_passes_draft_the_eager_trees(eagle_ckpts, fixed_shapes, lookup, tree):
     """fp32: the head's compiled passes propose exactly the trees the eager lean pass proposes,
-    step by step, with the verify eager or compiled on fixed shapes (whose features feed the head)."""
+    step by step, lookup grafted on or not, with the verify eager or compiled on fixed shapes
+    (whose features feed the head; a small tree: few buckets to compile)."""
     from treespec.drafters import HybridDrafter, RecordingDrafter
 
     model = eagle_target("eagle3")
@@ -299,7 +300,7 @@ def test_compiled_passes_draft_the_eager_trees(eagle_ckpts, fixed_shapes):
     prompt = [1, 5, 9, 3, 7, 5, 9, 3, 7, 2, 4]
     recs = []
     for drafter, shapes in ((eager, False), (eager.with_compiled_passes(), fixed_shapes)):
-        rec = RecordingDrafter(HybridDrafter(drafter))
-        treespec.generate(model, rec, "cpu", [prompt], max_new_tokens=24, fixed_shapes=shapes)
+        rec = RecordingDrafter(HybridDrafter(drafter) if lookup else drafter)
+        treespec.generate(model, rec, tree, [prompt], max_new_tokens=24, fixed_shapes=shapes)
         recs.append([[(t.tokens.tolist(), t.parents.tolist()) for t in trees] for trees, _ in rec.trees])
     assert len(recs[0]) > 3 and recs[0] == recs[1]
