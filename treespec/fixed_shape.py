@@ -8,7 +8,7 @@ captured in a CUDA graph or compiled once: ``torch.compile`` of the eager forwar
 every change of the prefix's length (issue 48 counted eight recompiles, then its limit).
 
 :class:`FixedShapeVerify` runs the same model, through the same registered attention function,
-on shapes that depend only on the bucket (4, 8, 16, 32 or 64 tokens a row) and on the cache:
+on shapes that depend only on the bucket (1, 4, 8, 16, 32 or 64 tokens a row) and on the cache:
 
 - the ids and parents ``[R, N]`` and the committed lengths ``[R]`` are buffers allocated once
   per bucket and refilled before each forward (two copies a request); the tree's ancestor mask
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -57,9 +58,9 @@ log = logging.getLogger(__name__)
 BUCKETS = (1, 4, 8, 16, 32, 64)  # tree tokens a row, root and padding included (1: decoding without a draft)
 
 
-# (model, rows, row capacity, block start, bucket, features) compiled in this process: what
-# precompile skips (dynamo's own cache holds the graphs)
-_COMPILED: set[tuple] = set()
+# model -> (its linears' kinds, rows, row capacity, block start, bucket, features) compiled in
+# this process: what precompile skips (dynamo's own cache holds the graphs)
+_COMPILED: "weakref.WeakKeyDictionary[torch.nn.Module, set[tuple]]" = weakref.WeakKeyDictionary()
 
 
 def bucket_for(n: int, buckets: Sequence[int] = BUCKETS) -> int | None:
@@ -238,18 +239,20 @@ class FixedShapeVerify:
         if not self.compiled:
             return 0.0
         top = bucket_for(tree_tokens, self.buckets) or self.buckets[-1]
-        R, dev = self.attention.rows, self.cache.device
+        model = self.runner.model
+        kinds = frozenset(type(m).__name__ for m in model.modules())  # packed or not, quantized or not
+        seen = _COMPILED.setdefault(model, set())
         start, done = time.perf_counter(), 0
         for n in (b for b in self.buckets if b <= top):
-            key = (id(self.runner.model), R, self.capacity, self.attention.first, n, capture)
-            if key in _COMPILED:
+            key = (kinds, self.attention.rows, self.capacity, self.attention.first, n, capture)
+            if key in seen:
                 continue
             device, _ = self._bucket(n)
             device.ids.zero_()
             device.parents.fill_(-1)
             device.committed.zero_()
             self._run(device, capture and bool(self.runner.feature_layers))
-            _COMPILED.add(key)
+            seen.add(key)
             done += 1
         seconds = time.perf_counter() - start if done else 0.0
         if done:

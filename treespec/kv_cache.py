@@ -229,6 +229,8 @@ class PagedKVCache:
         new_len = L + len(keep)
         if keep and min(keep) < L:
             raise ValueError(f"commit would overwrite the committed prefix ({min(keep)} < {L})")
+        if any(b <= a for a, b in zip(keep, keep[1:])):
+            raise ValueError(f"commit keeps positions in ascending order, each once; got {keep}")
         src = self._host_slots(seq, keep)  # raises past the reserved positions
         if keep != list(range(L, new_len)):  # else the kept entries are already in place
             dst = self._host_slots(seq, range(L, new_len))

@@ -48,6 +48,27 @@ def choose_split_rows(model, sizes=SIZES, repeats: int = REPEATS, budget: float 
         return 0, {}
     sizes = tuple(sorted(sizes))
     runner = ModelRunner(model, "torch")
+    before = next(m.max_rows for m in model.modules() if isinstance(m, WidthSplitLinear))
+    try:
+        samples = _time_both(model, runner, sizes, repeats, budget, clock)
+    except BaseException:
+        set_split_rows(model, before)  # as it was: a failed measurement chooses nothing
+        raise
+    times = {q: (statistics.median(samples[_ALL, q]), statistics.median(samples[0, q])) for q in sizes}
+    rows = 0
+    for q in sizes:
+        if times[q][0] >= times[q][1]:
+            break
+        rows = q
+    set_split_rows(model, rows)
+    log.info("quantized weights up to %d row(s), dense above: %s", rows,
+             ", ".join(f"{q} token(s) {1e3 * a:.1f} ms quantized, {1e3 * b:.1f} dense" for q, (a, b) in times.items()))
+    return rows, times
+
+
+def _time_both(model, runner, sizes, repeats, budget, clock) -> dict[tuple[int, int], list[float]]:
+    """Seconds of each forward, by (max_rows, tokens): every split layer on its quantized copy
+    (:data:`_ALL`) or its dense one (0), in alternation (which goes first swaps each round)."""
     samples: dict[tuple[int, int], list[float]] = {(way, q): [] for way in (_ALL, 0) for q in sizes}
     with runner.attached(), torch.inference_mode():
         once = prefixed_forward(runner, sizes[-1], clock)
@@ -62,13 +83,4 @@ def choose_split_rows(model, sizes=SIZES, repeats: int = REPEATS, budget: float 
                     samples[way, q].append(once(q))
             if clock() - start > budget:
                 break
-    times = {q: (statistics.median(samples[_ALL, q]), statistics.median(samples[0, q])) for q in sizes}
-    rows = 0
-    for q in sizes:
-        if times[q][0] >= times[q][1]:
-            break
-        rows = q
-    set_split_rows(model, rows)
-    log.info("quantized weights up to %d row(s), dense above: %s", rows,
-             ", ".join(f"{q} token(s) {1e3 * a:.1f} ms quantized, {1e3 * b:.1f} dense" for q, (a, b) in times.items()))
-    return rows, times
+    return samples

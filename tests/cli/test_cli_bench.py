@@ -358,4 +358,6 @@ def test_bench_compile_adds_a_compiled_twin_of_each_treespec_configuration(capsy
     assert data["mismatches"] == 0
     assert all(c["warmup_seconds"] > 0 for c in data["configs"])
     text = res.with_suffix(".txt").read_text()
-    assert "compiled: the untimed warm-up, which compiles, took" in text and "(ngram/chain-2+compile)" in text
+    assert "compiled: the untimed warm-up compiled for" in text and "s (ngram/chain-2+compile)" in text
+    assert "and inside the timed calls (rows or trees the warm-up did not reach; counted in tok/s): none" in text
+    assert data["configs"][-1]["compile_seconds"] == 0.0

@@ -45,7 +45,7 @@ def test_generate_ngram_streams_the_greedy_continuation(capsys, caplog, monkeypa
 
 def test_generate_compile_gives_the_greedy_continuation(capsys, caplog, monkeypatch, lm, lm_dir):
     """--compile: the verify forward compiled on fixed shapes (and an EAGLE head's passes; prompt
-    lookup has none, which one warning says) gives HF generate's greedy text."""
+    lookup has none) gives HF generate's greedy text; with --cuda-graphs it is one line's error."""
     import treespec.engine
 
     seen, real = {}, treespec.engine.stream
@@ -61,8 +61,10 @@ def test_generate_compile_gives_the_greedy_continuation(capsys, caplog, monkeypa
     assert out.startswith(hf_greedy_text(*lm, "Once upon a time", 12))
     assert seen["fixed_shapes"] == "compile"
     said = [r.getMessage() for r in caplog.records]
-    assert any("drafter runs eagerly" in m for m in said)
     assert any(m.startswith("compiled the verify forward for") for m in said)  # what the first run waited on
+    assert not any("drafter runs eagerly" in m for m in said)  # lookup has no passes to compile: nothing to say
+    rc, _, err = run_cli(capsys, "generate", "--model", lm_dir, "--compile", "--cuda-graphs", "--prompt", "x")
+    assert rc == 2 and "give one" in error_line(err)
 
 
 def test_generate_refuses_a_prompt_past_the_context_unless_asked(capsys, lm_dir):

@@ -299,8 +299,10 @@ def test_compiled_passes_draft_the_eager_trees(eagle_ckpts, fixed_shapes, lookup
     eager = treespec.load_draft(eagle_ckpts("eagle3")[0], model)
     prompt = [1, 5, 9, 3, 7, 5, 9, 3, 7, 2, 4]
     recs = []
-    for drafter, shapes in ((eager, False), (eager.with_compiled_passes(), fixed_shapes)):
+    compiled = eager.with_compiled_passes()
+    for drafter, shapes in ((eager, False), (compiled, fixed_shapes)):
         rec = RecordingDrafter(HybridDrafter(drafter) if lookup else drafter)
         treespec.generate(model, rec, tree, [prompt], max_new_tokens=24, fixed_shapes=shapes)
         recs.append([[(t.tokens.tolist(), t.parents.tolist()) for t in trees] for trees, _ in rec.trees])
     assert len(recs[0]) > 3 and recs[0] == recs[1]
+    assert compiled.graphed_row.passes.passes and eager.graphed_row.passes is None  # the compiled ones ran

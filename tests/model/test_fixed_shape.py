@@ -330,7 +330,7 @@ def test_eager_precompile_does_nothing():
     assert FixedShapeVerify(runner, cache, seqs).precompile(4, capture=False) == 0.0
 
 
-@pytest.mark.parametrize("weights", ["packed", "int4"])
+@pytest.mark.parametrize("weights", ["packed", "int4", "int8"])
 def test_compiled_forward_on_packed_and_int4_weights_equals_eager(weights):
     """Compiled with inductor's freezing: oneDNN-packed linears (treespec.packing, which the
     compile hands their plain weight, packed again by inductor) and 4-bit ones
@@ -342,8 +342,11 @@ def test_compiled_forward_on_packed_and_int4_weights_equals_eager(weights):
     model = tiny_model("llama", 6, layers=2, hidden=64).to(torch.bfloat16)
     if weights == "packed" and not packing_supported(model):
         pytest.skip("oneDNN cannot pack bfloat16 weights on this CPU (no AVX512 BW/VL/DQ or AVX-NE-CONVERT)")
-    if weights == "int4":
-        quantize_linears(model, "int4")
+    if weights in ("int4", "int8"):
+        quantize_linears(model, weights)
+    import torch._dynamo.utils as dynamo_utils
+
+    dynamo_utils.counters.clear()
     swap = PackedLinears(model) if weights == "packed" else contextlib.nullcontext()
     runner = ModelRunner(model, "torch")
     tree_list = [Tree([-1, 0, 0, 1, 2], [3, 9, 4, 7, 1])]
@@ -357,6 +360,7 @@ def test_compiled_forward_on_packed_and_int4_weights_equals_eager(weights):
                     out = verify.forward(seqs, tree_list, [L])
             got.append(out.logits[0].float())
     assert (got[0] - got[1]).abs().max() <= 2e-2 * got[0].abs().max()
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 1 and not dynamo_utils.counters["graph_break"]
 
 
 def test_compiled_bf16_logits_are_eagers_within_bf16_rounding():

@@ -284,6 +284,16 @@ def test_commit_refuses_to_overwrite_the_prefix():
     assert k[:, 0, 0].tolist() == [0.0, 1.0, 2.0, 3.0] and cache.seq_lens[seq] == 4  # untouched
 
 
+@pytest.mark.parametrize("keep", [[5, 5], [6, 5], [4, 7, 7]])
+def test_commit_refuses_positions_out_of_order_or_twice(keep):
+    cache, seq = numbered_cache()
+    cache.commit(seq, torch.arange(4))
+    cache.reserve(seq, 12)
+    with pytest.raises(ValueError, match="ascending order, each once"):
+        cache.commit(seq, keep)
+    assert cache.seq_lens[seq] == 4  # untouched
+
+
 def test_bad_dimensions():
     with pytest.raises(ValueError):
         PagedKVCache(1, 1, 2, num_pages=0)

@@ -93,7 +93,7 @@ class BenchConfig:
 
     def describe(self) -> dict:
         d = {"name": self.name, "kind": self.kind, "fast": self.fast}
-        if self.compiled:
+        if self.compiled and self.kind == TREESPEC:  # hf-generate+compile's name says it (older journals)
             d["compiled"] = True
         if self.kind == HF_LOOKUP:
             d["prompt_lookup_num_tokens"] = self.lookup_tokens

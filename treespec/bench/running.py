@@ -73,9 +73,9 @@ def _merge_turns(records: list[RunRecord], given: list[list[int]]) -> RunRecord:
     metrics = None
     if records[0].metrics is not None:
         ms = [r.metrics for r in records]
-        metrics = {k: sum(m[k] for m in ms) for k in ("num_steps", "num_generated", "prefill_seconds", "draft_seconds",
-                                                      "verify_seconds", "total_seconds", "num_request_steps",
-                                                      "tree_tokens")}
+        metrics = {k: sum(m.get(k, 0) for m in ms) for k in (
+            "num_steps", "num_generated", "prefill_seconds", "draft_seconds", "verify_seconds", "total_seconds",
+            "num_request_steps", "tree_tokens", "compile_seconds")}
         steps = metrics["num_request_steps"]
         acc = [a for m in ms for a in m["accepted"]]
         depth = max(len(m["acceptance_counts"]) for m in ms)

@@ -158,6 +158,8 @@ def check_early(args):
         value = getattr(args, flag, None)  # None: not this command's, or left to its default
         if value is not None and value < least:
             raise UserError(f"--{flag.replace('_', '-')} must be >= {least}, got {value}")
+    if getattr(args, "compiled", False) and getattr(args, "cuda_graphs", False):
+        raise UserError("--compile and --cuda-graphs both set how the EAGLE head's passes run: give one")
     device = getattr(args, "device", "auto")
     if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", device):
         raise UserError(f"--device {device!r}: use auto, cpu, cuda or cuda:N")

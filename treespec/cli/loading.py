@@ -106,9 +106,9 @@ def drafter(spec: str, model, tokenizer, backend: str, cuda_graphs: bool | str =
     from ..drafters import ModelDrafter, NgramDrafter, load_draft
 
     check_draft_spec(spec)
-    if cuda_graphs and (spec in ("ngram", "none") or spec.startswith(("layers:", "model:"))) \
+    if cuda_graphs is True and (spec in ("ngram", "none") or spec.startswith(("layers:", "model:"))) \
             and not spec.endswith(LOOKUP_SUFFIX):  # a graft's primary is checked on its own
-        log.warning("--cuda-graphs and --compile's passes are an EAGLE head's: the %s drafter runs eagerly", spec)
+        log.warning("--cuda-graphs applies to EAGLE heads: the %s drafter runs eagerly", spec)
     if spec.endswith(LOOKUP_SUFFIX):
         from ..drafters import HybridDrafter
 
@@ -241,8 +241,8 @@ def load(args, drafts: Iterable[str] = (), prompts: Callable | None = None, keep
     if busy:
         log.warning(busy)
     out = Loaded(model, tok, prompts(tok) if prompts is not None else None)
-    graphs = getattr(args, "cuda_graphs", False) or ("compile" if getattr(args, "compiled", False) else False)
-    if graphs is True and next(model.parameters()).device.type != "cuda":
+    graphs = "compile" if getattr(args, "compiled", False) else getattr(args, "cuda_graphs", False)
+    if getattr(args, "cuda_graphs", False) and next(model.parameters()).device.type != "cuda":
         raise UserError("--cuda-graphs needs the model on a CUDA GPU (--device cuda)")
     out.drafters = _drafters(args, drafts, model, tok, graphs)
     out.fast, out.packing = fast_path(args, model, [d for d, _ in out.drafters.values()], keep=keep_packed)

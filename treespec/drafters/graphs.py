@@ -26,7 +26,10 @@ one under a quarter of it (each pass attends over the whole row), or when the he
 moved (a graph replays the addresses it captured).
 
 Without ``capture`` the same passes run eagerly on the same buffers (on a CPU, where the tests
-hold them against the lean pass; capturing needs CUDA).
+hold them against the lean pass; capturing needs CUDA), or, with ``compile``, through
+``torch.compile`` on any device: :func:`head_pass` is one function for every pass size (dynamo
+compiles the first size it meets statically and makes the size dynamic when it changes), its
+weights frozen into the graph (:func:`treespec.compiled.frozen_compile`).
 
 Letters: n entries of a pass, m tree entries it sees (the pass's own and the earlier levels'),
 L cached entries before them, C the row's capacity, H hidden size, Vd draft vocabulary.
@@ -238,7 +241,9 @@ def head_pass(head, keys, values, cos_table, sin_table, tokens, hidden, position
 class GraphedRow:
     """A drafter's one-row draft cache and the static passes captured over it, lent to one
     session at a time (:meth:`lend`) so that graphs captured by one request serve the next.
-    ``capture=False`` runs the same passes uncaptured (what the CUDA tests compare with)."""
+    ``capture=False`` runs the same passes uncaptured (what the CUDA tests compare with);
+    ``compile=True`` runs them through ``torch.compile`` (:func:`head_pass`, the head's weights
+    frozen into the graph), on rows of at least 512 entries."""
 
     def __init__(self, capture: bool = True, compile: bool = False):
         self.capture, self.compile = capture, compile
@@ -255,10 +260,10 @@ class GraphedRow:
         if self._holder is not None and self._holder() is not None:
             return None
         weights = _addresses(head)
-        # Too short, or (captured) far too long; compiled, a longer row is kept: a new length is a
-        # new shape to compile, where a graph's replay costs nothing to make.
-        fits = self.passes is not None and tokens <= self.passes.capacity and (
-            self.compile or self.passes.capacity < 4 * tokens)
+        # Too short, or far too long (every pass reads the whole row); compiled, rows of at least
+        # 512 (row_capacity), so that short requests after long ones keep theirs.
+        longest = 4 * (row_capacity(tokens, True) if self.compile else tokens)
+        fits = self.passes is not None and tokens <= self.passes.capacity < longest
         if not fits or weights != self._weights:
             self.passes = self.cache = None  # the old graphs and row go first: the new ones need the memory
             if weights != self._weights:

@@ -108,7 +108,7 @@ def decode(run: Run) -> Iterator[StepOutput]:
         row_tokens = (fixed_row_tokens(longest, max_nodes + 1, runner.fixed_shapes) if runner.fixed_shapes
                       else longest + max_nodes + 1)
         cache, cache_seqs = runner.new_rows_cache(B, row_tokens, run.page_size)
-        fixed = _fixed_verify(runner, cache, cache_seqs, max_nodes)  # compiling (logged) is no step's time
+        fixed = _fixed_verify(runner, cache, cache_seqs, max_nodes, metrics)  # compiling is no step's time
         rows = [Request(b, list(p), d, s) for b, (p, d, s) in enumerate(zip(run.prompts, run.decodings, cache_seqs))]
         with timer("prefill"):
             features, scores = _prefill(run, rows, cache, prefix_use)
@@ -207,13 +207,15 @@ def _draft(run: Run, session, auto, timer: _StepTimer, active: list[Request],
     return trees
 
 
-def _fixed_verify(runner: ModelRunner, cache, seqs, max_nodes: int) -> FixedShapeVerify | None:
+def _fixed_verify(runner: ModelRunner, cache, seqs, max_nodes: int,
+                  metrics: SpecMetrics) -> FixedShapeVerify | None:
     """The verify forward on fixed shapes, when asked (its buffers live as long as the rows);
-    compiled, every bucket a tree can take is compiled here, before the prompts' K/V go in."""
+    compiled, every bucket a tree can take is compiled here, before the prompts' K/V go in (the
+    seconds in ``metrics.compile_seconds``)."""
     if not runner.fixed_shapes:
         return None
     fixed = FixedShapeVerify(runner, cache, seqs, compile=runner.fixed_shapes == "compile")
-    fixed.precompile(max_nodes + 1, capture=bool(runner.feature_layers))
+    metrics.compile_seconds += fixed.precompile(max_nodes + 1, capture=bool(runner.feature_layers))
     return fixed
 
 

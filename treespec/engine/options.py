@@ -99,11 +99,13 @@ class GenerationOptions:
         ends. The output is the same with or without it; ``RequestMetrics.hit_tokens`` counts
         what it served (docs/runtime.md, "Prefix caching").""")
     fixed_shapes: bool | str = _option(False, """
-        the verify forward on fixed shapes: each step's trees padded to a bucket of 4, 8, 16, 32
-        or 64 tokens, read from buffers that live as long as the request's cache row, each layer
+        the verify forward on fixed shapes: each step's trees padded to a bucket of 1, 4, 8, 16,
+        32 or 64 tokens, read from buffers that live as long as the request's cache row, each layer
         attending over the row's whole length (docs/runtime.md, "Fixed-shape verify");
-        ``"compile"``: the same through ``torch.compile``, once per bucket (seconds to minutes
-        each). The tokens are those of the default, False (each step's own shapes).""")
+        ``"compile"``: the same through ``torch.compile``, once per bucket and row length, every
+        bucket the tree can take compiled before the prefill (seconds to minutes each; the
+        seconds in ``metrics.compile_seconds``). The tokens are those of the default, False (each
+        step's own shapes, up to rounding near-ties in bf16).""")
 
     @classmethod
     def split(cls, caller: str, keywords: dict) -> tuple["GenerationOptions", dict]:

@@ -53,6 +53,7 @@ class SpecMetrics:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
+    compile_seconds: float = 0.0  # fixed_shapes="compile": compiling verify buckets in this call (outside the timers)
     tree_tokens: int = 0  # tokens run through verify forwards (roots included)
     tree_sizes: list[int] = field(default_factory=list)  # drafted nodes verified, per request-step
     requests: list[RequestMetrics] = field(default_factory=list)
@@ -136,6 +137,7 @@ class SpecMetrics:
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,
             "total_seconds": self.total_seconds,
+            "compile_seconds": self.compile_seconds,
             "tokens_per_second": self.tokens_per_second,
             "decode_tokens_per_second": self.decode_tokens_per_second,
             "mean_tree_size": self.mean_tree_size,

@@ -139,7 +139,9 @@ class Int4Linear(nn.Module):
         with torch.no_grad():
             wt = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group, self.scales_and_zeros)
         w = wt[:, : self.out_features].t()  # [N, K * copies]
-        return w.reshape(self.out_features, self.copies, self.in_features).sum(1)
+        if self.copies == 1:
+            return w
+        return w.float().reshape(self.out_features, self.copies, self.in_features).sum(1).to(w.dtype)  # rounded once
 
     @property
     def weight(self) -> torch.Tensor:
@@ -248,9 +250,9 @@ def keep_dense(model: nn.Module, max_rows: int = DEFAULT_SPLIT_ROWS) -> int:
     with torch.no_grad():
         for parent_name, parent in list(model.named_modules()):
             for attr, child in list(parent.named_children()):
-                if not isinstance(child, (Int4Linear, Int8Linear)):
+                if not isinstance(child, (Int4Linear, Int8Linear)) or isinstance(parent, WidthSplitLinear):
                     continue
-                w = child.dequantize().to(child.weight.dtype if isinstance(child, Int8Linear)
+                w = child.dequantize().to(child.scale.dtype if isinstance(child, Int8Linear)
                                           else child.scales_and_zeros.dtype)
                 dense = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,
                                   dtype=w.dtype, device=w.device)
