@@ -44,7 +44,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from .compiled import frozen_compile
+from .compiled import compile_fixed
 from .compiled import row_capacity as compiled_row_capacity
 from .kv_cache import PagedKVCache
 from .runner import ForwardOutput
@@ -224,7 +224,7 @@ class FixedShapeVerify:
         if compile and runner.feature_layers:
             _install_output_hooks(runner.model)
         self.compiled = compile
-        self._run = frozen_compile(self._body, dynamic=False) if compile else self._body
+        self._run = compile_fixed(self._body, dynamic=False) if compile else self._body
         self.fixed_forwards = self.fallbacks = 0  # how forwards ran (tests, logs)
 
     @torch.inference_mode()

@@ -25,9 +25,9 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["PackedLinear", "PackedLinears", "packing_supported", "onednn_packs", "native_bf16", "default_dtype"]
@@ -64,6 +64,20 @@ def packing_supported(model) -> bool:
     return p.device.type == "cpu" and onednn_packs(p.dtype)
 
 
+@torch.library.custom_op("treespec::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], out_features: int) -> torch.Tensor:
+    """oneDNN's product with a weight it packed, as one operation a compiled graph calls: inductor
+    lowers ``mkldnn._linear_pointwise`` only on weights it packed itself (as constants, each graph
+    its own copy), so a compiled forward reaches :class:`PackedLinear`'s packed weight through
+    this, one copy shared by every graph and by the eager forward."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x, packed, bias, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
 class PackedLinear(nn.Module):
     """An ``nn.Linear`` whose forward runs on a oneDNN-packed copy of its weight.
 
@@ -78,10 +92,8 @@ class PackedLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
-        if torch.compiler.is_compiling():
-            # inductor cannot lower a packed weight it did not pack itself; compiled with
-            # freezing (FixedShapeVerify), it packs the plain weight for oneDNN on its own
-            return F.linear(x, self.weight, self.bias)
+        if torch.compiler.is_compiling():  # an opaque call for inductor, the packed weight an input
+            return packed_linear(x, self.packed, self.bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:

@@ -332,9 +332,9 @@ def test_eager_precompile_does_nothing():
 
 @pytest.mark.parametrize("weights", ["packed", "int4", "int8"])
 def test_compiled_forward_on_packed_and_int4_weights_equals_eager(weights):
-    """Compiled with inductor's freezing: oneDNN-packed linears (treespec.packing, which the
-    compile hands their plain weight, packed again by inductor) and 4-bit ones
-    (treespec.models.quant) give the eager forward's logits within bf16 rounding."""
+    """Compiled: oneDNN-packed linears (treespec.packing: the compile calls their packed weights
+    through treespec::packed_linear), 4-bit and 8-bit ones (treespec.models.quant) give the eager
+    forward's logits within bf16 rounding, in one graph with no break."""
     from treespec.models.quant import quantize_linears
     from treespec.packing import PackedLinears, packing_supported
 

@@ -29,7 +29,7 @@ Without ``capture`` the same passes run eagerly on the same buffers (on a CPU, w
 hold them against the lean pass; capturing needs CUDA), or, with ``compile``, through
 ``torch.compile`` on any device: :func:`head_pass` is one function for every pass size (dynamo
 compiles the first size it meets statically and makes the size dynamic when it changes), its
-weights frozen into the graph (:func:`treespec.compiled.frozen_compile`).
+weights inputs of the graph (:func:`treespec.compiled.compile_fixed`).
 
 Letters: n entries of a pass, m tree entries it sees (the pass's own and the earlier levels'),
 L cached entries before them, C the row's capacity, H hidden size, Vd draft vocabulary.
@@ -44,7 +44,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..compiled import frozen_compile, row_capacity
+from ..compiled import compile_fixed, row_capacity
 from ..kv_cache import PagedKVCache
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class StaticPasses:
         self.passes: dict[int, _Pass] = {}
         self._shared = _Shared(head, keys, values, head.rope_table(keys.shape[0]),  # positions < L + m <= C
                                torch.cuda.graph_pool_handle() if capture else None,  # one pool for all shapes
-                               frozen_compile(head_pass) if compile else None)
+                               compile_fixed(head_pass) if compile else None)
 
     @classmethod
     def over_row(cls, head, cache: PagedKVCache, seq: int, capture: bool, max_entries: int,
@@ -243,7 +243,7 @@ class GraphedRow:
     session at a time (:meth:`lend`) so that graphs captured by one request serve the next.
     ``capture=False`` runs the same passes uncaptured (what the CUDA tests compare with);
     ``compile=True`` runs them through ``torch.compile`` (:func:`head_pass`, the head's weights
-    frozen into the graph), on rows of at least 512 entries."""
+    inputs of the graph), on rows of at least 512 entries."""
 
     def __init__(self, capture: bool = True, compile: bool = False):
         self.capture, self.compile = capture, compile
