@@ -277,10 +277,13 @@ def test_compiled_passes_through_the_engine_equal_hf_generate(eagle_ckpts):
     model = eagle_target("eagle3")
     drafter = treespec.load_draft(eagle_ckpts("eagle3")[0], model, compile_passes=True)
     assert "compiled passes" in repr(drafter)
+    graphs = []
     for draft in (drafter, HybridDrafter(drafter)):
         for p in ([1, 5, 9, 3, 7, 5, 9, 3, 7], list(range(20, 45))):
             out = treespec.generate(model, draft, "cpu", [p], max_new_tokens=20)
             assert out.sequences == [hf_greedy(model, p, 20)]
+            graphs.append(dynamo_utils.counters["stats"]["unique_graphs"])
+    assert len(set(graphs)) == 1, graphs  # all compiled before the first call's steps (precompile)
     sizes = drafter.graphed_row.passes.passes
     assert len(sizes) >= 4, sorted(sizes)  # levels and commits of several sizes ran on compiled passes
     assert dynamo_utils.counters["stats"]["unique_graphs"] <= 4

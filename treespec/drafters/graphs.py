@@ -38,6 +38,7 @@ L cached entries before them, C the row's capacity, H hidden size, Vd draft voca
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from typing import Callable
 
@@ -72,6 +73,7 @@ class StaticPasses:
             raise ValueError("static head passes are captured in CUDA graphs or compiled, not both")
         self.max_entries = max_entries
         self.passes: dict[int, _Pass] = {}
+        self._compiled_once = False
         self._shared = _Shared(head, keys, values, head.rope_table(keys.shape[0]),  # positions < L + m <= C
                                torch.cuda.graph_pool_handle() if capture else None,  # one pool for all shapes
                                compile_fixed(head_pass) if compile else None)
@@ -97,6 +99,24 @@ class StaticPasses:
     @property
     def capacity(self) -> int:
         return self._shared.capacity
+
+    @torch.inference_mode()
+    def precompile(self) -> float:
+        """Compiled: compile the passes of one entry and of two or more (one dynamic graph) now,
+        on padding, so that no draft step waits for a compile (nor an ``auto`` tree learns from
+        one). Writes K/V at the row's first slot: call it before the row is zeroed for a request.
+        Returns the seconds it took (0 when not compiled or already done)."""
+        if self._shared.compiled is None or self._compiled_once:
+            return 0.0
+        start = time.perf_counter()
+        for n in (1, 2):
+            p = self.passes.get(n) or self.passes.setdefault(n, _Pass(self._shared, n))
+            p.mask[:, 0] = True  # each entry sees one key: no all-masked softmax
+            p.launch()
+        self._compiled_once = True
+        seconds = time.perf_counter() - start
+        log.info("compiled the draft head's passes in %.0f s", seconds)
+        return seconds
 
     def run(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
             cached: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -150,6 +170,9 @@ class _Pass:
         self._mask_host = torch.zeros(n, owner.capacity, dtype=torch.bool)  # built here, copied over in one go
         self.graph = None
         self.states = self.logp = None
+        if owner.compiled is not None and n >= 2:  # one graph for every size from 2 (1 is dynamo's special case)
+            for t in (self.tokens, self.hidden, self.positions, self.slots, self.mask):
+                torch._dynamo.mark_dynamic(t, 0)
 
     def fill(self, tokens, hidden, positions, mask, cached: int) -> None:
         # A captured graph reads its buffers' bytes as their dtype: refuse what a caller might
@@ -275,6 +298,7 @@ class GraphedRow:
         else:
             self.cache.truncate(self.seq, 0)
             self.passes.max_entries = max(self.passes.max_entries, max_entries)
+        self.passes.precompile()  # compiled: before any step (its padding's K/V are zeroed next)
         # Zeroed: every pass reads the whole row, and a masked key still turns the softmax to
         # NaN if it is not finite (say, a tree node of an earlier request's diverged head).
         self.passes.keys.zero_()
