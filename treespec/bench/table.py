@@ -126,7 +126,8 @@ def _short_names(configs: list[dict], limit: int) -> tuple[dict[str, str], dict[
                 kind = "head" if "EAGLE" in c.get("drafter", "") else "draft"
                 n = sum(a.rstrip("0123456789") == kind for a in aliases.values())
                 aliases[base] = kind if n == 0 else f"{kind}{n + 1}"
-            name = f"{aliases.get(base, base)}{c['draft'][len(base):]}/{c['tree']}"
+            name = f"{aliases.get(base, base)}{c['draft'][len(base):]}/{c['tree']}" + ("+compile" if c.get("compiled")
+                                                                                       else "")
         names[c["name"]] = name if len(name) <= limit else name[: limit - 1] + "~"
     return names, {a: d for d, a in aliases.items()}
 
@@ -137,8 +138,11 @@ def _config_meaning(data: dict, configs: list[dict], aliases: dict[str, str]) ->
     parts = [f"{HF_GENERATE}: transformers' model.generate, eager weights, the baseline of every speedup"]
     if any(n.endswith("+fast") for n in names):
         parts.append(f"+fast: the same on {data['settings'].get('fast_path') or 'packed weights'}")
-    if any(n.endswith("+compile") for n in names):
+    if f"{HF_GENERATE}+compile" in names:
         parts.append("+compile: with a static cache and torch.compile")
+    if any(c["kind"] == TREESPEC and c.get("compiled") for c in configs):
+        parts.append("treespec's +compile: its verify forward compiled on fixed shapes and an EAGLE head's passes "
+                     "compiled (torch.compile; the warm-up compiles)")
     if TREESPEC_AR in names:
         parts.append(f"{TREESPEC_AR}: treespec without a draft (one token per forward, on treespec's weights): its "
                      "decoding without speculation")
