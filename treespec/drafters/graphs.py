@@ -27,9 +27,10 @@ moved (a graph replays the addresses it captured).
 
 Without ``capture`` the same passes run eagerly on the same buffers (on a CPU, where the tests
 hold them against the lean pass; capturing needs CUDA), or, with ``compile``, through
-``torch.compile`` on any device: :func:`head_pass` is one function for every pass size (dynamo
-compiles the first size it meets statically and makes the size dynamic when it changes), its
-weights inputs of the graph (:func:`treespec.compiled.compile_fixed`).
+``torch.compile`` on any device: :func:`head_pass` is one function for every pass size, compiled
+for one entry and, the buffers' size marked dynamic, once for two or more, both on padding
+before the first step (:meth:`StaticPasses.precompile`), its weights inputs of the graph
+(:func:`treespec.compiled.compile_fixed`).
 
 Letters: n entries of a pass, m tree entries it sees (the pass's own and the earlier levels'),
 L cached entries before them, C the row's capacity, H hidden size, Vd draft vocabulary.
