@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["compile_fixed", "row_capacity", "RECOMPILE_LIMIT", "COMPILED_MIN_ROW"]
+__all__ = ["compile_fixed", "pow2_row", "RECOMPILE_LIMIT", "COMPILED_MIN_ROW"]
 
 #: compiled versions dynamo keeps of one function: one per bucket and cache shape for the
 #: verify forward (its default of 8 would leave later shapes eager)
@@ -28,12 +28,11 @@ RECOMPILE_LIMIT = 64
 COMPILED_MIN_ROW = 512
 
 
-def row_capacity(tokens: int, compile: bool) -> int:
-    """The row length a fixed-shape cache asks for to hold ``tokens`` positions: a power of two
-    (a row a little longer than the last fits it), of at least :data:`COMPILED_MIN_ROW` when
-    compiled, every row length being a new shape to compile."""
-    pow2 = 1 << max(tokens - 1, 1).bit_length()
-    return max(pow2, COMPILED_MIN_ROW) if compile else pow2
+def pow2_row(tokens: int, at_least: int = 0) -> int:
+    """A row length that holds ``tokens`` positions: a power of two (a row a little longer than
+    the last fits it), ``at_least`` long (:data:`COMPILED_MIN_ROW` for a compiled forward, every
+    row length being a new shape to compile)."""
+    return max(1 << max(tokens - 1, 1).bit_length(), at_least)
 
 
 def compile_fixed(fn: Callable, **compile_kwargs) -> Callable:

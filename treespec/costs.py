@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 __all__ = ["CostCurve", "GRID", "cost_key", "measure_cost_curve", "cached_cost_curve", "drop_cached_cost_curve",
-           "device_name", "model_identity", "prefixed_forward", "sample_spread", "cache_file"]
+           "device_name", "model_identity", "prefixed_forward", "time_alternating", "sample_spread", "cache_file"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -209,6 +209,33 @@ def prefixed_forward(runner, max_tokens: int, clock: Callable[[], float] = time.
         return dt
 
     return once
+
+
+def time_alternating(once: Callable[[int], float], ways: dict, sizes, repeats: int, budget: float,
+                     clock: Callable[[], float]) -> dict[tuple, list[float]]:
+    """Seconds of ``once(q)`` (:func:`prefixed_forward`'s) for each of ``sizes`` (ascending)
+    inside each of ``ways`` (a name -> a context manager that can be entered again and again),
+    keyed ``(name, q)``: after one untimed warm-up of each way on the largest size (first calls
+    allocate and pick kernels), rounds of every size and way, the ways' order reversed every other
+    round (a slow start favours none), until ``repeats`` rounds or, after a round, ``budget``
+    seconds have gone (the first round always completes). Entering a way happens outside the
+    timed forward."""
+    def timed(way, q: int) -> float:
+        with ways[way]:
+            return once(q)
+
+    order = list(ways)
+    for way in order:
+        timed(way, sizes[-1])
+    samples: dict[tuple, list[float]] = {(way, q): [] for way in order for q in sizes}
+    start = clock()
+    for r in range(repeats):
+        for q in sizes:
+            for way in order if r % 2 == 0 else order[::-1]:
+                samples[(way, q)].append(timed(way, q))
+        if clock() - start > budget:
+            break
+    return samples
 
 
 def sample_spread(samples) -> float:

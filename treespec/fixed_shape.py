@@ -44,8 +44,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from .compiled import compile_fixed
-from .compiled import row_capacity as compiled_row_capacity
+from .compiled import COMPILED_MIN_ROW, compile_fixed, pow2_row
 from .kv_cache import PagedKVCache
 from .runner import ForwardOutput
 from .tree import Tree
@@ -70,9 +69,9 @@ def bucket_for(n: int, buckets: Sequence[int] = BUCKETS) -> int | None:
 
 def row_capacity(tokens: int, compile: bool) -> int:
     """The row length a fixed-shape cache asks for to hold ``tokens`` positions: exactly that,
-    or compiled, :func:`treespec.compiled.row_capacity` (a power of two, 512 at least): every
+    or compiled, a power of two of at least :data:`~treespec.compiled.COMPILED_MIN_ROW`: every
     row capacity is a new shape to compile, and prompts and budgets vary from call to call."""
-    return compiled_row_capacity(tokens, True) if compile else tokens
+    return pow2_row(tokens, COMPILED_MIN_ROW) if compile else tokens
 
 
 def fixed_row_tokens(committed: int, tree_tokens: int, mode: bool | str) -> int:

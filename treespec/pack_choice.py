@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 
 from . import costs
-from .costs import device_name, model_identity, prefixed_forward, sample_spread
+from .costs import device_name, model_identity, prefixed_forward, sample_spread, time_alternating
 from .models.quant import weights_format
 from .packing import PackedLinears, packing_supported
 
@@ -166,23 +166,8 @@ def measure_packing(runner, packed: PackedLinears, sizes=SIZES, repeats: int = R
     ``with`` block. ``clock``: the timer (tests pass a fake one)."""
     sizes = tuple(sorted(sizes))
     once = prefixed_forward(runner, sizes[-1], clock)
-    ways = {False: contextlib.nullcontext(), True: packed}  # packed weights or not
-
-    def timed(way: bool, q: int) -> float:
-        with ways[way]:  # swapping modules in takes microseconds, outside the timed forward
-            return once(q)
-
-    for way in ways:  # warm-up: first calls allocate, and oneDNN picks its kernels
-        timed(way, sizes[-1])
-    samples: dict[tuple[bool, int], list[float]] = {(way, q): [] for way in ways for q in sizes}
-    start = clock()
-    for r in range(repeats):
-        for q in sizes:
-            # Each goes first in every other round: a slow start (caches, frequency) favours neither.
-            for way in (False, True) if r % 2 == 0 else (True, False):
-                samples[(way, q)].append(timed(way, q))
-        if clock() - start > budget:
-            break
+    ways = {False: contextlib.nullcontext(), True: packed}  # packed weights or not (a swap of modules)
+    samples = time_alternating(once, ways, sizes, repeats, budget, clock)
     med = {k: statistics.median(v) for k, v in samples.items()}
     return PackingTimes(sizes, tuple(med[(False, q)] for q in sizes), tuple(med[(True, q)] for q in sizes),
                         spread=sample_spread(samples.values()))

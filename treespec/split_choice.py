@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from .costs import prefixed_forward
+from .costs import prefixed_forward, time_alternating
 from .models.quant import WidthSplitLinear, set_split_rows
 
 __all__ = ["choose_split_rows", "SIZES", "BUDGET_SECONDS"]
@@ -68,19 +68,21 @@ def choose_split_rows(model, sizes=SIZES, repeats: int = REPEATS, budget: float 
 
 def _time_both(model, runner, sizes, repeats, budget, clock) -> dict[tuple[int, int], list[float]]:
     """Seconds of each forward, by (max_rows, tokens): every split layer on its quantized copy
-    (:data:`_ALL`) or its dense one (0), in alternation (which goes first swaps each round)."""
-    samples: dict[tuple[int, int], list[float]] = {(way, q): [] for way in (_ALL, 0) for q in sizes}
+    (:data:`_ALL`) or its dense one (0), in alternation (:func:`treespec.costs.time_alternating`)."""
     with runner.attached(), torch.inference_mode():
         once = prefixed_forward(runner, sizes[-1], clock)
-        for way in (_ALL, 0):  # warm-up: first calls allocate and pick kernels
-            set_split_rows(model, way)
-            once(sizes[-1])
-        start = clock()
-        for r in range(repeats):
-            for q in sizes:
-                for way in ((_ALL, 0) if r % 2 == 0 else (0, _ALL)):
-                    set_split_rows(model, way)
-                    samples[way, q].append(once(q))
-            if clock() - start > budget:
-                break
-    return samples
+        return time_alternating(once, {way: _Rows(model, way) for way in (_ALL, 0)}, sizes, repeats, budget, clock)
+
+
+class _Rows:
+    """A way to time: every split layer at ``max_rows`` (set on entering; the caller sets the
+    width chosen at the end)."""
+
+    def __init__(self, model, max_rows: int):
+        self.model, self.max_rows = model, max_rows
+
+    def __enter__(self):
+        set_split_rows(self.model, self.max_rows)
+
+    def __exit__(self, *exc):
+        return False

@@ -1,7 +1,8 @@
 """What compiling the verify forward costs in memory: the process's resident set before and
-after each bucket compiles (SmolLM2-135M by default, packed weights, features captured as an
-EAGLE head needs them), with the weights as graph inputs (treespec's way) or, with
-``--freezing``, as constants inductor packs again into each graph (the way tried first).
+after each bucket compiles (SmolLM2-135M by default, features captured as an EAGLE head needs
+them): treespec's way, on oneDNN-packed weights that the graphs take as inputs; or, with
+``--freezing``, the way tried first: plain weights, which inductor's freezing makes constants
+of each graph and packs there.
 
     python benchmarks/micro/compile_memory.py [--freezing] [--dtype bfloat16] [--threads 1] [--buckets 1 4 8]
 
@@ -11,6 +12,7 @@ Feeds docs/runtime.md, "Fixed-shape verify" (packed weights, shared).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -44,7 +46,8 @@ def main(argv=None) -> int:
         inductor_config.freezing = True
     model, _ = load(args.model, dtype=getattr(torch, args.dtype))
     runner = ModelRunner(model, "torch", feature_layers=[2, 15, 27])
-    with PackedLinears(model), runner.attached():
+    packed = contextlib.nullcontext() if args.freezing else PackedLinears(model)
+    with packed, runner.attached():
         cache, seqs = runner.new_rows_cache(1, fixed_row_tokens(200, max(args.buckets), "compile"), 16)
         verify = FixedShapeVerify(runner, cache, seqs, compile=True)
         print(f"{'freezing' if args.freezing else 'weights as inputs'}: RSS {rss_mb():.0f} MB before compiling")

@@ -46,7 +46,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..compiled import compile_fixed, row_capacity
+from ..compiled import COMPILED_MIN_ROW, compile_fixed, pow2_row
 from ..kv_cache import PagedKVCache
 
 log = logging.getLogger(__name__)
@@ -101,6 +101,12 @@ class StaticPasses:
     def capacity(self) -> int:
         return self._shared.capacity
 
+    def _pass(self, n: int) -> "_Pass":
+        """The buffers (and graph) of the pass of ``n`` entries, made on first use."""
+        if n not in self.passes:
+            self.passes[n] = _Pass(self._shared, n)
+        return self.passes[n]
+
     @torch.inference_mode()
     def precompile(self) -> float:
         """Compiled: compile the passes of one entry and of two or more (one dynamic graph) now,
@@ -111,7 +117,7 @@ class StaticPasses:
             return 0.0
         start = time.perf_counter()
         for n in (1, 2):
-            p = self.passes.get(n) or self.passes.setdefault(n, _Pass(self._shared, n))
+            p = self._pass(n)
             p.mask[:, 0] = True  # each entry sees one key: no all-masked softmax
             p.launch()
         self._compiled_once = True
@@ -135,9 +141,7 @@ class StaticPasses:
         n, m = mask.shape
         if n > self.max_entries or n > m or cached + m > self.capacity:
             return None
-        p = self.passes.get(n)
-        if p is None:
-            p = self.passes[n] = _Pass(self._shared, n)
+        p = self._pass(n)
         p.fill(tokens, hidden, positions, mask, cached)
         p.launch()
         # Clones: the next launch of this shape overwrites the graph's outputs in place.
@@ -238,8 +242,9 @@ def head_pass(head, keys, values, cos_table, sin_table, tokens, hidden, position
     """One fixed-shape head pass: the states ``[n, H]`` and fp32 log-probabilities ``[n, Vd]``
     of ``n`` entries (``tokens``, ``hidden``, ``positions``), their K/V written into the row
     (``keys``, ``values`` ``[C, Hkv, D]``) at ``slots``, each attending over the row's keys that
-    ``mask`` ``[n, C]`` lets it see. What a CUDA graph captures, and what a compile compiles (one
-    graph for every ``n`` past the first, as dynamo makes the changed size dynamic)."""
+    ``mask`` ``[n, C]`` lets it see. What a CUDA graph captures (a graph a size), and what a
+    compile compiles (one graph for one entry, one for every size from two: :class:`_Pass`
+    marks those buffers' size dynamic)."""
     c = head.config
     C = keys.shape[0]
     cos = cos_table.index_select(0, positions)  # [n, D]
@@ -285,15 +290,16 @@ class GraphedRow:
             return None
         weights = _addresses(head)
         # Too short, or far too long (every pass reads the whole row); compiled, rows of at least
-        # 512 (row_capacity), so that short requests after long ones keep theirs.
-        longest = 4 * (row_capacity(tokens, True) if self.compile else tokens)
+        # COMPILED_MIN_ROW, so that short requests after long ones keep theirs.
+        shortest = COMPILED_MIN_ROW if self.compile else 0
+        longest = 4 * (pow2_row(tokens, shortest) if self.compile else tokens)
         fits = self.passes is not None and tokens <= self.passes.capacity < longest
         if not fits or weights != self._weights:
             self.passes = self.cache = None  # the old graphs and row go first: the new ones need the memory
             if weights != self._weights:
                 head.forget_rope_table()  # recomputed from the weights as they are now
             # A power of two: a session a little longer than the last reuses the row.
-            self.cache, (self.seq,) = make_cache(row_capacity(tokens, self.compile))
+            self.cache, (self.seq,) = make_cache(pow2_row(tokens, shortest))
             self.passes = StaticPasses.over_row(head, self.cache, self.seq, self.capture, max_entries, self.compile)
             self._weights = weights
         else:
