@@ -51,7 +51,7 @@ def add_arguments(p):
                         "a turn prefills only its new tokens (0: off)")
     add_sampling(p)
     p.set_defaults(max_new_tokens=512)  # per answer
-    add_runtime(p, graphs="compile")
+    add_runtime(p, compile=True)
     add_auto_profile(p)
     p.add_argument("--log-file", metavar="FILE", help="what is logged during the conversation goes to FILE (default: "
                    "held back and shown when the session ends; -v shows it as it comes)")

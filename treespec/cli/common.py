@@ -93,10 +93,10 @@ def generation_options(args) -> dict:
 
 
 def add_runtime(p, *, device: str = "auto", dtype: str = "auto", pack: bool | None = None,
-                graphs: bool | str = True):
-    """--backend, --cuda-graphs (``graphs``: where a drafter runs; ``"compile"``: --compile too), --threads,
-    --device, --dtype, --weights, --pack; ``tree
-    show`` passes cpu, float32 and no packing (what it always drew with), so its defaults stay."""
+                graphs: bool = True, compile: bool = False):
+    """--backend, --cuda-graphs (``graphs``: where a drafter runs), --compile (``compile``: generate
+    and chat; bench has its own), --threads, --device, --dtype, --weights, --pack; ``tree show``
+    passes cpu, float32 and no packing (what it always drew with), so its defaults stay."""
     def here(value, usual):
         return "" if value == usual else f" (default here: {value})"
 
@@ -106,7 +106,7 @@ def add_runtime(p, *, device: str = "auto", dtype: str = "auto", pack: bool | No
     if graphs:  # not for capture, which runs the target alone
         p.add_argument("--cuda-graphs", action="store_true", help="on a CUDA GPU, replay the EAGLE head's passes "
                        "from CUDA graphs (one request at a time; other drafters run eagerly)")
-    if graphs == "compile":  # generate's and chat's; bench's --compile adds compiled twins instead
+    if compile:  # generate's and chat's; bench's --compile adds compiled twins instead
         p.add_argument("--compile", dest="compiled", action="store_true", help="compile the verify forward on fixed "
                        "shapes and an EAGLE head's passes (torch.compile; a process's first call compiles: 46-204 s "
                        "for the default's tree sizes on 2 cores, docs/benchmarks.md)")

@@ -24,7 +24,7 @@ def add_arguments(p):
                    help="generate even when the prompt is longer than the model's context (max_position_embeddings; "
                         "refused otherwise) or the answer may run past it: the text degrades there")
     add_sampling(p)
-    add_runtime(p, graphs="compile")
+    add_runtime(p, compile=True)
     add_auto_profile(p)
 
 

@@ -101,18 +101,19 @@ def load_target(args):
     return (model.to(where) if where != "cpu" else model), tok
 
 
-def drafter(spec: str, model, tokenizer, backend: str, cuda_graphs: bool | str = False):
-    """``(Drafter, short name)`` for a draft spec, checked against ``model``; ``cuda_graphs``: True or "compile"."""
+def drafter(spec: str, model, tokenizer, backend: str, head_kw: dict | None = None):
+    """``(Drafter, short name)`` for a draft spec, checked against ``model``; ``head_kw``: an EAGLE head's."""
     from ..drafters import ModelDrafter, NgramDrafter, load_draft
 
     check_draft_spec(spec)
-    if cuda_graphs is True and (spec in ("ngram", "none") or spec.startswith(("layers:", "model:"))) \
+    head_kw = head_kw or {}
+    if head_kw.get("cuda_graphs") and (spec in ("ngram", "none") or spec.startswith(("layers:", "model:"))) \
             and not spec.endswith(LOOKUP_SUFFIX):  # a graft's primary is checked on its own
         log.warning("--cuda-graphs applies to EAGLE heads: the %s drafter runs eagerly", spec)
     if spec.endswith(LOOKUP_SUFFIX):
         from ..drafters import HybridDrafter
 
-        primary, name = drafter(spec[: -len(LOOKUP_SUFFIX)], model, tokenizer, backend, cuda_graphs)
+        primary, name = drafter(spec[: -len(LOOKUP_SUFFIX)], model, tokenizer, backend, head_kw)
         try:
             return HybridDrafter(primary), name + LOOKUP_SUFFIX
         except ValueError as e:
@@ -141,8 +142,7 @@ def drafter(spec: str, model, tokenizer, backend: str, cuda_graphs: bool | str =
     else:
         name = spec if "/" not in spec else Path(spec).name
         try:
-            d = load_draft(spec, model, attention_backend=backend, cuda_graphs=cuda_graphs is True,
-                           compile_passes=cuda_graphs == "compile")
+            d = load_draft(spec, model, attention_backend=backend, **head_kw)
             d.check_compatible(model)
         except ValueError as e:  # a head made for another model (vocabulary, hidden size)
             raise HeadForAnotherModel(
@@ -152,14 +152,14 @@ def drafter(spec: str, model, tokenizer, backend: str, cuda_graphs: bool | str =
     return d, name
 
 
-def _drafters(args, specs: Iterable[str], model, tok, graphs: bool) -> dict:
+def _drafters(args, specs: Iterable[str], model, tok, head_kw: dict) -> dict:
     """:func:`drafter` of each spec; the default draft (the shipped head, not given by --draft or
     --config) on a model it was not made for falls back to prompt lookup, said in one line."""
     given = any(a.split("=")[0] in ("--draft", "--config") for a in getattr(args, "argv", ()))
     out, fallback = {}, None
     for spec in dict.fromkeys(specs):
         try:
-            out[spec] = drafter(spec, model, tok, args.backend, graphs)
+            out[spec] = drafter(spec, model, tok, args.backend, head_kw)
         except HeadForAnotherModel:
             if spec not in (DEFAULT_SPEC, DEFAULT_DRAFT) or given:
                 raise
@@ -241,9 +241,9 @@ def load(args, drafts: Iterable[str] = (), prompts: Callable | None = None, keep
     if busy:
         log.warning(busy)
     out = Loaded(model, tok, prompts(tok) if prompts is not None else None)
-    graphs = "compile" if getattr(args, "compiled", False) else getattr(args, "cuda_graphs", False)
-    if getattr(args, "cuda_graphs", False) and next(model.parameters()).device.type != "cuda":
+    head_kw = {"cuda_graphs": getattr(args, "cuda_graphs", False), "compile_passes": getattr(args, "compiled", False)}
+    if head_kw["cuda_graphs"] and next(model.parameters()).device.type != "cuda":
         raise UserError("--cuda-graphs needs the model on a CUDA GPU (--device cuda)")
-    out.drafters = _drafters(args, drafts, model, tok, graphs)
+    out.drafters = _drafters(args, drafts, model, tok, head_kw)
     out.fast, out.packing = fast_path(args, model, [d for d, _ in out.drafters.values()], keep=keep_packed)
     return split_rows(out)  # --weights X+dense: up to which width X runs
