@@ -310,10 +310,11 @@ class AutoProfile:
                              "or delete it") from None
         return profile.calibrations_only()
 
-    def prepare(self, runner, max_tokens: int, refresh: bool = False) -> None:
+    def prepare(self, runner, max_tokens: int, refresh: bool = False, fixed=None) -> None:
         """Make sure the cost curve covers ``max_tokens`` (from the disk cache, else
-        measured); the model must be attached to ``runner``."""
-        key = cost_key(runner)
+        measured); the model must be attached to ``runner``. ``fixed``: the loop's compiled
+        fixed-shape verify, whose buckets' times make the curve."""
+        key = cost_key(runner, fixed)
         other = self.keys.get("costs") not in (None, key)
         if other:
             # A curve from another dtype, thread count or machine would mislead every choice;
@@ -323,7 +324,7 @@ class AutoProfile:
         # An earlier generation's steps contradicted the curve (AutoController): measure again.
         refresh = self.keys.pop("costs_contradicted", False) or refresh
         if self.costs is None or refresh or other or self.costs.max_tokens < max_tokens:
-            self.costs = cached_cost_curve(runner, max_tokens, refresh=refresh)
+            self.costs = cached_cost_curve(runner, max_tokens, refresh=refresh, fixed=fixed)
             self.keys["costs"] = key
 
     # ---- JSON ---------------------------------------------------------------------------

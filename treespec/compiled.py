@@ -16,16 +16,22 @@ from typing import Callable
 
 import torch
 
-__all__ = ["compile_fixed", "pow2_row", "RECOMPILE_LIMIT", "COMPILED_MIN_ROW"]
+__all__ = ["compile_fixed", "pow2_row", "RECOMPILE_LIMIT", "COMPILED_MIN_ROW", "COMPILED_VERIFY_ROW"]
 
 #: compiled versions dynamo keeps of one function: one per bucket and cache shape for the
 #: verify forward (its default of 8 would leave later shapes eager)
 RECOMPILE_LIMIT = 64
 
 
-#: the shortest cache row a compiled forward takes: most chats and benchmark prompts with their
+#: the shortest cache row a compiled head pass takes: most chats and benchmark prompts with their
 #: budget fit, so one compile serves them all (a short warm-up's included)
 COMPILED_MIN_ROW = 512
+
+#: the shortest cache row the compiled verify forward takes. It attends over the keys in use
+#: only (:data:`treespec.fixed_shape.KEY_STEP`), so a long row costs memory, not time (SmolLM2-135M
+#: in bf16: 23 KB a position, 47 MB a row), while every other row length compiles every bucket
+#: again (a minute or more): every Spec-Bench prompt with 128 new tokens fits one.
+COMPILED_VERIFY_ROW = 2048
 
 
 def pow2_row(tokens: int, at_least: int = 0) -> int:

@@ -37,7 +37,7 @@ from typing import Callable, TypeVar
 import numpy as np
 import torch
 
-__all__ = ["CostCurve", "GRID", "cost_key", "measure_cost_curve", "cached_cost_curve", "drop_cached_cost_curve",
+__all__ = ["CostCurve", "GRID", "cost_key", "measure_cost_curve", "measure_fixed_cost_curve", "cached_cost_curve", "drop_cached_cost_curve",
            "device_name", "model_identity", "prefixed_forward", "time_alternating", "sample_spread", "cache_file"]
 
 log = logging.getLogger(__name__)
@@ -134,13 +134,17 @@ def model_identity(model) -> dict:
     }
 
 
-def cost_key(runner) -> dict:
-    """What the cost of a forward depends on: the model, how it runs, and where."""
+def cost_key(runner, fixed=None) -> dict:
+    """What the cost of a forward depends on: the model, how it runs, and where; ``fixed``: the
+    loop's compiled :class:`~treespec.fixed_shape.FixedShapeVerify`, whose forwards cost what their
+    bucket costs."""
     from .models.quant import weights_format
     from .packing import PackedLinear
 
     model = runner.model
+    compiled = {} if fixed is None else {"verify": "compiled", "rows": fixed.attention.rows}
     return {
+        **compiled,
         **model_identity(model),
         "dtype": str(runner.dtype).removeprefix("torch."),
         "backend": runner.backend.name,
@@ -181,6 +185,48 @@ def measure_cost_curve(runner, max_tokens: int, repeats: int = REPEATS, budget: 
             break
     seconds = monotone_fit([statistics.median(samples[q]) for q in qs]).tolist()
     return CostCurve(tuple(qs), tuple(seconds), spread=sample_spread(samples.values()))
+
+
+def measure_fixed_cost_curve(fixed, max_tokens: int, repeats: int = REPEATS, budget: float = BUDGET_SECONDS,
+                             clock: Callable[[], float] = time.perf_counter) -> CostCurve:
+    """The curve of a compiled fixed-shape verify (``fixed``, the loop's, compiled and not yet
+    prefilled): each bucket up to the one of ``max_tokens`` timed as :func:`measure_cost_curve`
+    times sizes, a chain in row 0 behind a ``PREFIX``-token committed prefix, and every tree size
+    priced at its bucket's time (a step curve: the nodes that fill a bucket cost nothing more).
+    The keys it attends over hold whatever the row holds (zeros, or a precompile's padding):
+    their values do not change the time, and prefill and the trees write them again before
+    anything reads them."""
+    from .fixed_shape import bucket_for
+    from .tree import Tree
+
+    top = bucket_for(max_tokens, fixed.buckets) or fixed.buckets[-1]
+    sizes = [b for b in fixed.buckets if b <= top]
+    seq = next(iter(fixed.row_of))
+    vocab = fixed.runner.vocab_size
+    capture = bool(fixed.runner.feature_layers)  # the loop's forwards, as precompiled
+
+    def once(q: int) -> float:
+        tree = Tree.chain(q - 1, torch.arange(q) * 13 % vocab)
+        t0 = clock()
+        fixed.forward([seq], [tree], [PREFIX], capture=capture)
+        return clock() - t0
+
+    once(sizes[-1])  # warm-up
+    samples = {q: [] for q in sizes}
+    start = clock()
+    for _ in range(repeats):
+        for q in sizes:
+            samples[q].append(once(q))
+        if clock() - start > budget:
+            break
+    fixed.cache.truncate(seq, 0)
+    seconds = monotone_fit([statistics.median(samples[q]) for q in sizes]).tolist()
+    tokens, steps = [], []
+    for i, (b, s) in enumerate(zip(sizes, seconds)):  # (previous bucket + 1, s) and (b, s): flat across the bucket
+        low = sizes[i - 1] + 1 if i else 1
+        tokens += [low] if low == b else [low, b]
+        steps += [s] * (1 if low == b else 2)
+    return CostCurve(tuple(tokens), tuple(steps), spread=sample_spread(samples.values()))
 
 
 def prefixed_forward(runner, max_tokens: int, clock: Callable[[], float] = time.perf_counter) -> Callable[[int], float]:
@@ -283,13 +329,14 @@ def write_cached(path: Path, key: dict, field: str, value: dict) -> None:
     tmp.replace(path)
 
 
-def cached_cost_curve(runner, max_tokens: int, refresh: bool = False) -> CostCurve:
+def cached_cost_curve(runner, max_tokens: int, refresh: bool = False, fixed=None) -> CostCurve:
     """The curve for ``runner``'s key: this process's (:data:`_MEASURED`), else the disk
     cache's, measured when missing, too short for ``max_tokens`` or ``refresh``; saved to disk
     only if its samples agree (``MAX_SPREAD``), kept for the process in any case, so that every
     generation of a chat, a bench or a Python session reuses one measurement. The model must be
-    attached."""
-    key = cost_key(runner)
+    attached. ``fixed``: the loop's compiled fixed-shape verify, timed instead of today's forward
+    (:func:`measure_fixed_cost_curve`)."""
+    key = cost_key(runner, fixed)
     path = cache_file(key)
     cached = None
     if not refresh:
@@ -301,7 +348,7 @@ def cached_cost_curve(runner, max_tokens: int, refresh: bool = False) -> CostCur
              "tree: at most %.0f s, once per model, dtype and thread count", max_tokens, key["device"], key["dtype"],
              key["threads"], BUDGET_SECONDS)
     t0 = time.perf_counter()
-    curve = measure_cost_curve(runner, max_tokens)
+    curve = measure_cost_curve(runner, max_tokens) if fixed is None else measure_fixed_cost_curve(fixed, max_tokens)
     took = time.perf_counter() - t0
     points = ", ".join(f"{q}: {s * 1e3:.1f} ms" for q, s in zip(curve.tokens, curve.seconds))
     _MEASURED[path] = curve

@@ -1,5 +1,5 @@
 """The verify forward on fixed shapes: the tree padded to a bucket, its inputs read from buffers
-that live as long as the loop's cache rows, each layer attending over its row's whole capacity.
+that live as long as the loop's cache rows, each layer attending over the rows' first K keys.
 
 Today's verify forward (:meth:`~treespec.runner.ModelRunner.forward`) has new shapes at every
 step: n tree tokens, L + n keys, a mask and index tensors built for them. That is cheapest when
@@ -16,18 +16,22 @@ on shapes that depend only on the bucket (1, 4, 8, 16, 32 or 64 tokens a row) an
 - row r's node i writes its K/V at row position ``committed[r] + i``: a tree node where today's
   path writes it, a padded node just past the tree, scratch that nothing reads (every later
   tree writes there again before a commit can keep it);
-- each layer attends over the row's whole capacity C, key j seen by node i when
+- each layer attends over the first K keys of every row, key j seen by node i when
   ``j < committed[r]`` or j - committed[r] is token i or its ancestor: the mask is computed
   from the buffers inside the forward, once, so the prefix grows in a tensor and not in a shape. A
   padded node sees the committed prefix and itself (no all-masked softmax); the rows of finished
   requests are all padding, and their writes land in their own row: the loop's cache is its own
   (``new_rows_cache``) and nothing takes pages from its pool while the loop runs, so the pages a
   finished request gave back are never another's. Keys outside the mask add exact zeros to the softmax as long as they are finite,
-  and the cache holds only finite K/V (it starts zeroed).
+  and the cache holds only finite K/V (it starts zeroed). K is the row's whole capacity C on
+  CUDA (a captured graph replays fixed shapes); on a CPU, the longest row's committed prefix and
+  bucket rounded up to ``KEY_STEP``, a size the compiled forward takes as symbolic, so one compile
+  serves every length and a long row costs no time (at a 32-token tree after 128 tokens in a
+  512-token row, attention went from 10.3 to 4.3 ms of a 40 ms forward, ``torch.profiler``).
 
 Trees past the largest bucket, or past their row, go through today's forward. With
 ``compile=True`` the forward runs through ``torch.compile(dynamic=False)``: one compile per
-bucket (and cache shape), none as the prefix grows (``tests/model/test_fixed_shape.py`` counts them).
+bucket (and row capacity), none as the prefix grows (``tests/model/test_fixed_shape.py`` counts them).
 
 Letters: R rows of the cache (one per request of the batch), N tokens of a bucket, n tree nodes,
 C a row's capacity, V vocabulary, F features, H query heads, Hkv key heads, D head dim.
@@ -44,7 +48,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from .compiled import COMPILED_MIN_ROW, compile_fixed, pow2_row
+from .compiled import COMPILED_VERIFY_ROW, compile_fixed, pow2_row
 from .kv_cache import PagedKVCache
 from .runner import ForwardOutput
 from .tree import Tree
@@ -55,6 +59,7 @@ __all__ = ["FixedShapeVerify", "FixedRowsAttention", "BUCKETS", "bucket_for", "r
 log = logging.getLogger(__name__)
 
 BUCKETS = (1, 4, 8, 16, 32, 64)  # tree tokens a row, root and padding included (1: decoding without a draft)
+KEY_STEP = 64  # a narrowed forward's key count is a multiple of this
 
 
 # model -> (its linears' kinds, rows, row capacity, block start, bucket, features) compiled in
@@ -69,9 +74,9 @@ def bucket_for(n: int, buckets: Sequence[int] = BUCKETS) -> int | None:
 
 def row_capacity(tokens: int, compile: bool) -> int:
     """The row length a fixed-shape cache asks for to hold ``tokens`` positions: exactly that,
-    or compiled, a power of two of at least :data:`~treespec.compiled.COMPILED_MIN_ROW`: every
+    or compiled, a power of two of at least :data:`~treespec.compiled.COMPILED_VERIFY_ROW`: every
     row capacity is a new shape to compile, and prompts and budgets vary from call to call."""
-    return pow2_row(tokens, COMPILED_MIN_ROW) if compile else tokens
+    return pow2_row(tokens, COMPILED_VERIFY_ROW) if compile else tokens
 
 
 def fixed_row_tokens(committed: int, tree_tokens: int, mode: bool | str) -> int:
@@ -148,15 +153,16 @@ class _RowsBatch:
     cache: PagedKVCache
     write_slots: torch.Tensor  # int64 [R * N]: flat cache slot of every bucket token
     backend: "FixedRowsAttention"
-    mask: torch.Tensor  # bool [R, 1, N, C]
+    mask: torch.Tensor  # bool [R, 1, N, K]
     positions: torch.Tensor  # int64 [R, N]: the bucket's RoPE positions (sliding windows)
     committed: torch.Tensor  # int64 [R]
+    keys: int  # K, each row's first keys that a layer attends over (a symbolic size when compiled)
 
 
 class FixedRowsAttention:
-    """Attention of a fixed-shape forward: each row's N queries over the row's C keys, read
-    as one strided view of the cache's block of rows (no gather), fp32 on a CPU as
-    :class:`~treespec.attention.TorchBackend` attends there."""
+    """Attention of a fixed-shape forward: each row's N queries over the row's first K keys
+    (K <= C, the batch's ``keys``), read as one strided view of the cache's block of rows (no
+    gather), fp32 on a CPU as :class:`~treespec.attention.TorchBackend` attends there."""
 
     name = "fixed-rows"
 
@@ -165,27 +171,27 @@ class FixedRowsAttention:
 
     def run(self, batch: _RowsBatch, layer: int, q: torch.Tensor, scaling: float, sliding_window=None):
         """``q`` ``[R * N, H, D]`` -> ``[R * N, H, D]``; the layer's new K/V are already cached."""
-        R, C = self.rows, self.capacity
+        R, C, K = self.rows, self.capacity, batch.keys
         N, H, D = q.shape[0] // R, q.shape[1], q.shape[2]
         dtype = torch.float32 if q.device.type == "cpu" else q.dtype
         fk, fv = batch.cache.flat(layer)
-        k = fk[self.first: self.first + R * C].view(R, C, *fk.shape[1:]).transpose(1, 2).to(dtype)  # [R, Hkv, C, D]
-        v = fv[self.first: self.first + R * C].view(R, C, *fv.shape[1:]).transpose(1, 2).to(dtype)
+        k = fk[self.first: self.first + R * C].view(R, C, *fk.shape[1:])[:, :K].transpose(1, 2).to(dtype)  # [R, Hkv, K, D]
+        v = fv[self.first: self.first + R * C].view(R, C, *fv.shape[1:])[:, :K].transpose(1, 2).to(dtype)
         qp = q.to(dtype).view(R, N, H, D).transpose(1, 2)  # [R, H, N, D]
-        mask = batch.mask if sliding_window is None else _windowed(batch, sliding_window, C)
+        mask = batch.mask if sliding_window is None else _windowed(batch, sliding_window, K)
         out = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scaling, enable_gqa=k.shape[1] != H)
         return out.to(q.dtype).transpose(1, 2).reshape(R * N, H, D)
 
 
-def _windowed(batch: _RowsBatch, window: int, capacity: int) -> torch.Tensor:
+def _windowed(batch: _RowsBatch, window: int, keys: int) -> torch.Tensor:
     """The batch's mask narrowed to a sliding window (transformers' convention, as the torch
     backend's: a query at position p sees keys at positions > p - window). A key's position is
     its index in the prefix, its node's position in the bucket; a node always sees itself."""
     R, N = batch.positions.shape
-    rel = torch.arange(capacity, device=batch.positions.device)[None] - batch.committed[:, None]  # [R, C]
+    rel = torch.arange(keys, device=batch.positions.device)[None] - batch.committed[:, None]  # [R, K]
     in_bucket = batch.positions.gather(1, rel.clamp(0, N - 1))
-    key_pos = torch.where(rel < 0, rel + batch.committed[:, None], in_bucket)  # [R, C]
-    near = batch.positions[:, :, None] - key_pos[:, None, :] < window  # [R, N, C]
+    key_pos = torch.where(rel < 0, rel + batch.committed[:, None], in_bucket)  # [R, K]
+    near = batch.positions[:, :, None] - key_pos[:, None, :] < window  # [R, N, K]
     return batch.mask & near[:, None]
 
 
@@ -223,6 +229,11 @@ class FixedShapeVerify:
         if compile and runner.feature_layers:
             _install_output_hooks(runner.model)
         self.compiled = compile
+        # On a CPU each forward attends over the longest row's keys rounded up to KEY_STEP, a size
+        # the compiled forward takes as symbolic (one compile serves every length); a CUDA graph
+        # replays fixed shapes, so there every forward attends over the whole row.
+        self.narrow = cache.device.type == "cpu"
+        self._spans: dict[int, torch.Tensor] = {}  # K -> a tensor of K elements, the forward's key count
         self._run = compile_fixed(self._body, dynamic=False) if compile else self._body
         self.fixed_forwards = self.fallbacks = 0  # how forwards ran (tests, logs)
 
@@ -250,7 +261,9 @@ class FixedShapeVerify:
             device.ids.zero_()
             device.parents.fill_(-1)
             device.committed.zero_()
-            self._run(device, capture and bool(self.runner.feature_layers))
+            # a key count unlike any bucket's or the row's own: no size is taken for another
+            self._run(device, self._span(self._keys(n) if not self.narrow else min(n + KEY_STEP + 1, self.capacity)),
+                      capture and bool(self.runner.feature_layers))
             seen.add(key)
             done += 1
         seconds = time.perf_counter() - start if done else 0.0
@@ -288,7 +301,7 @@ class FixedShapeVerify:
         fill(host, self.committed, rows, trees)
         if device is not host:
             device.copy_from(host)
-        logits, features = self._run(device, capture and bool(self.runner.feature_layers))
+        logits, features = self._run(device, self._span(self._keys(N)), capture and bool(self.runner.feature_layers))
         self.fixed_forwards += 1
         return _per_request(logits, features, rows, [t.num_nodes for t in trees])
 
@@ -302,16 +315,32 @@ class FixedShapeVerify:
             self._buffers[n] = (device, host)
         return self._buffers[n]
 
-    def _body(self, b: _Bucket, capture: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One forward of bucket ``b``: logits ``[R, N, V]`` and features ``[R, N, F]`` (None
-        unless ``capture``). Reads only ``b``'s buffers and the cache: what a compile or a
-        CUDA graph holds."""
+    def _keys(self, n: int) -> int:
+        """K, the keys a forward of bucket ``n`` attends over: the whole row, or narrowed, the
+        longest row's committed prefix and bucket rounded up to :data:`KEY_STEP`."""
+        if not self.narrow:
+            return self.capacity
+        return min(self.capacity, -(-(max(self.committed) + n) // KEY_STEP) * KEY_STEP)
+
+    def _span(self, k: int) -> torch.Tensor:
+        """A tensor of ``k`` elements whose size is the forward's key count, dynamic when compiled."""
+        if k not in self._spans:
+            span = self._spans[k] = torch.empty(k, dtype=torch.uint8)
+            if self.compiled and self.narrow:
+                torch._dynamo.mark_dynamic(span, 0)
+        return self._spans[k]
+
+    def _body(self, b: _Bucket, span: torch.Tensor, capture: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward of bucket ``b`` over the first ``len(span)`` keys of each row: logits
+        ``[R, N, V]`` and features ``[R, N, F]`` (None unless ``capture``). Reads only ``b``'s
+        buffers and the cache: what a compile or a CUDA graph holds."""
         R, N = b.ids.shape
         slots = (self._row_start + b.committed)[:, None] + torch.arange(N, device=b.ids.device)  # [R, N]
         tree_mask = ancestor_masks(b.parents)  # [R, N, N]
         positions = b.committed[:, None] + tree_mask.sum(-1) - 1  # [R, N]: committed + depth; padding: committed
+        K = span.shape[0]
         batch = _RowsBatch(self.cache, slots.reshape(-1), self.attention,
-                           tree_rows_mask(b.committed, tree_mask, self.capacity), positions, b.committed)
+                           tree_rows_mask(b.committed, tree_mask, K), positions, b.committed, K)
         out = self.runner.model(input_ids=b.ids.view(1, R * N), position_ids=positions.view(1, R * N),
                                 use_cache=False, output_hidden_states=capture, treespec_batch=batch)
         logits = out.logits.view(R, N, -1)

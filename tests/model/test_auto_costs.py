@@ -52,6 +52,35 @@ def test_measure_cost_curve_on_a_tiny_model():
     assert all(b >= a > 0 for a, b in zip(c.seconds, c.seconds[1:]))
 
 
+def test_a_compiled_verify_is_priced_by_its_bucket(monkeypatch, tmp_path):
+    """The compiled fixed-shape verify's curve: each bucket up to the one of ``max_tokens`` timed
+    (a clock that charges what the bucket's forward costs), every tree size priced at its
+    bucket's time; kept under a key of its own, beside today's forward's curve."""
+    from treespec.fixed_shape import FixedShapeVerify, bucket_for, fixed_row_tokens
+
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
+    runner = ModelRunner(tiny_model("llama", 0))
+    cache, seqs = runner.new_rows_cache(1, fixed_row_tokens(140, 16, True), 4)
+    fixed = FixedShapeVerify(runner, cache, seqs)
+    charged = {1: 2.0, 4: 3.0, 8: 5.0, 16: 6.0}
+    now = [0.0]
+    real_forward = fixed.forward
+
+    def forward(seqs, trees, cached, capture=False):  # every forward advances the clock by its bucket's price
+        now[0] += charged[bucket_for(trees[0].num_nodes)]
+        return real_forward(seqs, trees, cached, capture)
+
+    monkeypatch.setattr(fixed, "forward", forward)
+    with runner.attached():
+        curve = costs_mod.measure_fixed_cost_curve(fixed, 9, repeats=2, clock=lambda: now[0])
+    assert curve.tokens == (1, 2, 4, 5, 8, 9, 16)
+    assert [float(curve(q)) for q in range(1, 17)] == [2.0] + [3.0] * 3 + [5.0] * 4 + [6.0] * 8
+    assert cache.seq_lens[seqs[0]] == 0  # nothing of the measurement stays committed
+    key = cost_key(runner, fixed)
+    assert key["verify"] == "compiled" and key["rows"] == 1
+    assert {k: v for k, v in key.items() if k not in ("verify", "rows")} == cost_key(runner)
+
+
 def test_cost_cache_round_trip_and_keys(monkeypatch, tmp_path):
     monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
     calls = []

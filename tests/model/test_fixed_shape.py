@@ -282,6 +282,44 @@ def test_compiled_forward_compiles_once_per_bucket_and_equals_eager():
     assert not dynamo_utils.counters["graph_break"]
 
 
+def test_narrowed_keys_compile_once_and_equal_the_whole_row():
+    """On a CPU a forward attends over the longest row's keys in use, rounded up to KEY_STEP: as
+    the prefix crosses several multiples of it the compiled forward adds no graph (the key count
+    is symbolic), and its logits are those of an eager forward over each row's whole capacity."""
+    import torch._dynamo.utils as dynamo_utils
+
+    torch._dynamo.reset()
+    model = model_of("llama", 5)
+    runner = ModelRunner(model, "torch", feature_layers=[0, FINAL_NORM])
+    rows = fixed_row_tokens(330, 8, "compile")
+    cache, seqs = runner.new_rows_cache(2, rows, 4)
+    whole_cache, _ = runner.new_rows_cache(2, rows, 4)
+    compiled = FixedShapeVerify(runner, cache, seqs, compile=True)
+    whole = FixedShapeVerify(runner, whole_cache, seqs)
+    whole.narrow = False
+    prompt = torch.randint(0, V, (330,), generator=torch.Generator().manual_seed(5))
+    dynamo_utils.counters.clear()
+    keys = set()
+    with runner.attached():
+        for s in seqs:  # a long committed prefix in every row, the same in both caches
+            for c in (cache, whole_cache):
+                runner.forward(c, [s], [prompt], [torch.arange(330)], [causal_mask(330)], logits_rows=[[329]])
+                c.commit(s, torch.arange(330))
+        for step, (n, L) in enumerate([(5, 10), (7, 70), (6, 150), (8, 190), (5, 300), (6, 322)]):  # bucket 8 throughout
+            tree_list = [Tree.chain(n - 1, [(step + i + j) % V for i in range(n)]) for j in range(2)]
+            cached = [L, max(L - 9, 0)]
+            for s, c in ((s, c) for s in seqs for c in (cache, whole_cache)):
+                c.seq_lens[s] = 0  # the trees overwrite the prompt's K/V past each committed length
+            a = compiled.forward(seqs, tree_list, cached, capture=True)
+            b = whole.forward(seqs, tree_list, cached, capture=True)
+            keys.add(compiled._keys(8))
+            for x, y in zip(a.logits + a.features, b.logits + b.features):
+                assert (x - y).abs().max() < ATOL
+    assert keys == {64, 128, 192, 256, 320, 384} and compiled.capacity == rows > 384
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 1, dynamo_utils.counters["stats"]
+    assert not dynamo_utils.counters["graph_break"]
+
+
 def test_generate_compiled_gives_todays_tokens():
     """And a later call, other prompts and budget of the same row capacity, compiles nothing."""
     import torch._dynamo.utils as dynamo_utils
@@ -321,6 +359,19 @@ def test_precompile_compiles_each_bucket_once_and_steps_compile_nothing():
                                capture=True)
             assert dynamo_utils.counters["stats"]["unique_graphs"] == 3
     assert verify.fixed_forwards == 4 and not dynamo_utils.counters["graph_break"]
+
+
+def test_compiling_is_no_steps_time():
+    """What the verify's and the head's compiles take is counted in ``compile_seconds`` and left
+    out of the call's time and its stages'."""
+    torch._dynamo.reset()
+    model, drafter = pair("eagle3")
+    drafter = drafter.with_compiled_passes()
+    out = treespec.generate(model, drafter, "chain-3", PROMPTS[:1], max_new_tokens=10, fixed_shapes="compile")
+    m = out.metrics
+    assert m.compile_seconds > 1.0  # a verify bucket, then the head's passes
+    assert m.total_seconds < m.compile_seconds and m.draft_seconds < m.compile_seconds
+    assert m.draft_seconds + m.verify_seconds + m.prefill_seconds <= m.total_seconds
 
 
 def test_eager_precompile_does_nothing():

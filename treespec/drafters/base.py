@@ -86,6 +86,10 @@ class DraftStart:
 
 
 class DraftSession(ABC):
+    #: seconds this session's start spent compiling (compiled head passes), which the engine
+    #: counts in ``SpecMetrics.compile_seconds`` and not in any step's time
+    compile_seconds: float = 0.0
+
     @abstractmethod
     def propose(self, requests: Sequence[int], roots: Sequence[int], max_depth: Sequence[int]) -> list[Tree]:
         """One tree per request; its root token is ``roots[i]`` and no node is deeper than

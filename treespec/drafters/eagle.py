@@ -182,6 +182,8 @@ class EagleSession(DraftSession):
                                         lambda tokens: self._rows(drafter, 1, tokens))
         if lent is None:
             log.warning("static head passes: another session holds this drafter's row; this one drafts eagerly")
+        else:
+            self.compile_seconds = drafter.graphed_row.compile_seconds
         return lent
 
     def _prompt_entries(self, ctx: DraftStart) -> tuple[list[list[int]], list[torch.Tensor]]:

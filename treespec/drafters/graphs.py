@@ -276,6 +276,7 @@ class GraphedRow:
 
     def __init__(self, capture: bool = True, compile: bool = False):
         self.capture, self.compile = capture, compile
+        self.compile_seconds = 0.0  # what the last lend spent compiling
         self.cache: PagedKVCache | None = None
         self.seq = 0
         self.passes: StaticPasses | None = None
@@ -305,7 +306,7 @@ class GraphedRow:
         else:
             self.cache.truncate(self.seq, 0)
             self.passes.max_entries = max(self.passes.max_entries, max_entries)
-        self.passes.precompile()  # compiled: before any step (its padding's K/V are zeroed next)
+        self.compile_seconds = self.passes.precompile()  # compiled: before any step (its padding's K/V are zeroed next)
         # Zeroed: every pass reads the whole row, and a masked key still turns the softmax to
         # NaN if it is not finite (say, a tree node of an earlier request's diverged head).
         self.passes.keys.zero_()

@@ -123,6 +123,7 @@ class HybridDrafter(Drafter):
 class HybridSession(DraftSession):
     def __init__(self, primary: DraftSession, lookup: DraftSession, candidates=None):
         self.primary, self.lookup, self.candidates = primary, lookup, candidates
+        self.compile_seconds = primary.compile_seconds + lookup.compile_seconds
 
     def propose(self, requests: Sequence[int], roots: Sequence[int], max_depth: Sequence[int]) -> list[Tree]:
         extra = self.lookup.propose(requests, roots, max_depth)

@@ -100,15 +100,15 @@ def decode(run: Run) -> Iterator[StepOutput]:
     max_nodes = run.tree_cfg.num_nodes + drafter.extra_nodes
     with runner.attached(), contextlib.closing(_prefix_use(run.prefix_cache, runner, drafter)) as prefix_use, \
             contextlib.ExitStack() as ends_with:  # the draft session's close, however the loop ends
-        auto = _controller(run, max_nodes)
-        timer = _StepTimer(metrics)
         # One row of the cache per request, each long enough for the longest: a batch's K/V
         # are then read as a view of the cache, not gathered (PagedKVCache.add_sequences).
         longest = max(len(p) for p in run.prompts) + run.max_new_tokens
         row_tokens = (fixed_row_tokens(longest, max_nodes + 1, runner.fixed_shapes) if runner.fixed_shapes
                       else longest + max_nodes + 1)
         cache, cache_seqs = runner.new_rows_cache(B, row_tokens, run.page_size)
-        fixed = _fixed_verify(runner, cache, cache_seqs, max_nodes, metrics)  # compiling is no step's time
+        fixed = _fixed_verify(runner, cache, cache_seqs, max_nodes, metrics)
+        auto = _controller(run, max_nodes, fixed if runner.fixed_shapes == "compile" else None)
+        timer = _StepTimer(metrics)  # compiling and measuring costs are no step's time
         rows = [Request(b, list(p), d, s) for b, (p, d, s) in enumerate(zip(run.prompts, run.decodings, cache_seqs))]
         with timer("prefill"):
             features, scores = _prefill(run, rows, cache, prefix_use)
@@ -120,6 +120,8 @@ def decode(run: Run) -> Iterator[StepOutput]:
                 max_new_tokens=run.max_new_tokens, tree_cfg=run.tree_cfg, stop=auto.stop, candidates=auto.candidates,
                 rules=[r.rules for r in rows], prefix=prefix_use.draft_prefixes()))
             ends_with.callback(session.close)  # what the drafter lent it (a CUDA-graphed row) goes back
+            metrics.compile_seconds += session.compile_seconds
+            timer.discount(session.compile_seconds, stage="draft")
             _finish([r for r in rows if r.done], session, prefix_use, cache)
 
         step = 0
@@ -301,15 +303,15 @@ def _prefix_use(cache: PrefixCache | None, runner: ModelRunner, drafter: Drafter
     return PrefixUse(cache, key, lookup=key is not None or not features, features=features)
 
 
-def _controller(run: Run, max_nodes: int) -> AutoController | _NoAuto:
-    """An :class:`AutoController` for an ``auto`` tree (its cost curve read or measured first),
-    else the no-op one."""
+def _controller(run: Run, max_nodes: int, fixed: FixedShapeVerify | None) -> AutoController | _NoAuto:
+    """An :class:`AutoController` for an ``auto`` tree (its cost curve read or measured first:
+    ``fixed``'s buckets when given, the compiled verify), else the no-op one."""
     cfg, batch = run.tree_cfg, len(run.prompts)
     if not cfg.auto:
         return _NoAuto()
     profile = run.auto_profile if run.auto_profile is not None else AutoProfile.starting(run.drafter)
     # The batch's trees are verified in one forward: cover up to B trees (capped).
-    profile.prepare(run.runner, min(batch * (max_nodes + 1), max(max_nodes + 1, 128)))
+    profile.prepare(run.runner, min(batch * (max_nodes + 1), max(max_nodes + 1, 128)), fixed=fixed)
     return AutoController(profile, cfg.num_nodes, cfg.top_k, run.decodings[0].greedy, cfg.objective)
 
 
@@ -348,6 +350,13 @@ class _StepTimer:
         yield
         name = f"{stage}_seconds"
         setattr(self.metrics, name, getattr(self.metrics, name) + (time.perf_counter() - t0))
+
+    def discount(self, seconds: float, stage: str | None = None) -> None:
+        """Leave ``seconds`` just spent (compiling) out of the total and, given, ``stage``'s time."""
+        self.began["start"] += seconds
+        if stage is not None:
+            name = f"{stage}_seconds"
+            setattr(self.metrics, name, getattr(self.metrics, name) - seconds)
 
     def since(self, stage: str) -> float:
         """Seconds since ``stage`` last began."""

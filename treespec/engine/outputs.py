@@ -53,7 +53,7 @@ class SpecMetrics:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
-    compile_seconds: float = 0.0  # fixed_shapes="compile": compiling verify buckets in this call (outside the timers)
+    compile_seconds: float = 0.0  # compiling verify buckets and head passes in this call (outside the timers)
     tree_tokens: int = 0  # tokens run through verify forwards (roots included)
     tree_sizes: list[int] = field(default_factory=list)  # drafted nodes verified, per request-step
     requests: list[RequestMetrics] = field(default_factory=list)
