@@ -54,6 +54,7 @@ class PagedKVCache:
         page_size: int = 16,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        storage: torch.Tensor | None = None,
     ):
         if min(num_layers, num_kv_heads, head_dim, num_pages, page_size) < 1:
             raise ValueError("cache dimensions must be >= 1")
@@ -63,7 +64,11 @@ class PagedKVCache:
         # One tensor for all layers, so that moving a sequence's entries (commit) is one indexed
         # copy, not one per layer; ``k[layer]`` and ``v[layer]`` are views of it, the layout the
         # backends read (tuples: the storage is fixed, a layer cannot be swapped for another).
-        self._kv = torch.zeros((2, *shape), dtype=dtype, device=device)
+        # ``storage``: an earlier cache's (:attr:`storage`), zeroed and used if it has this one's
+        # shape, dtype and device (see ModelRunner.release_cache); else a new one.
+        fits = (storage is not None and tuple(storage.shape) == (2, *shape) and storage.dtype == dtype
+                and storage.device == torch.device(device))
+        self._kv = storage.zero_() if fits else torch.zeros((2, *shape), dtype=dtype, device=device)
         self.k = tuple(self._kv[0][layer] for layer in range(num_layers))
         self.v = tuple(self._kv[1][layer] for layer in range(num_layers))
         self._flat = [(k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])) for k, v in zip(self.k, self.v)]
@@ -115,14 +120,21 @@ class PagedKVCache:
         self._block = (start * self.page_size, pages * self.page_size)
         return seqs
 
+    @property
+    def storage(self) -> torch.Tensor:
+        """The one tensor holding every layer's K/V, ``[2, layers, pages, page_size, Hkv, D]``."""
+        return self._kv
+
     @classmethod
     def with_rows(cls, num_layers: int, num_kv_heads: int, head_dim: int, count: int, tokens: int,
                   page_size: int = 16, dtype: torch.dtype = torch.float32,
-                  device: torch.device | str = "cpu") -> tuple["PagedKVCache", list[int]]:
+                  device: torch.device | str = "cpu", storage: torch.Tensor | None = None,
+                  ) -> tuple["PagedKVCache", list[int]]:
         """A cache of ``count`` sequences in one block of rows of ``tokens`` positions each
-        (:meth:`add_sequences`), plus a spare page per sequence; returns it and the sequences."""
+        (:meth:`add_sequences`), plus a spare page per sequence; returns it and the sequences.
+        ``storage``: an earlier cache's, reused when it has this one's shape."""
         pages = max(1, -(-int(tokens) // page_size))
-        cache = cls(num_layers, num_kv_heads, head_dim, count * (pages + 1), page_size, dtype, device)
+        cache = cls(num_layers, num_kv_heads, head_dim, count * (pages + 1), page_size, dtype, device, storage)
         return cache, cache.add_sequences(count, tokens)
 
     def block_rows(self, seqs, length: int) -> tuple[int, int, list[int]] | None:

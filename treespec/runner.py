@@ -11,6 +11,7 @@ that live only for the duration of one forward.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -50,6 +51,10 @@ class ForwardOutput:
 
     logits: list[torch.Tensor]
     features: list[torch.Tensor] | None
+
+
+# model -> the storage of its last released cache (ModelRunner.release_cache), CPU only
+_SPARE_KV: "weakref.WeakKeyDictionary[torch.nn.Module, torch.Tensor]" = weakref.WeakKeyDictionary()
 
 
 class ModelRunner:
@@ -101,9 +106,20 @@ class ModelRunner:
 
     def new_rows_cache(self, count: int, tokens: int, page_size: int = 16) -> tuple[PagedKVCache, list[int]]:
         """A cache for a batch: ``count`` sequences in equal rows of ``tokens`` positions, read
-        as a view by the torch backend (:meth:`PagedKVCache.with_rows`)."""
+        as a view by the torch backend (:meth:`PagedKVCache.with_rows`); on the storage of the
+        last cache :meth:`release_cache` was given when it has this shape (zeroed again)."""
+        spare = _SPARE_KV.pop(self.model, None)
         return PagedKVCache.with_rows(self.num_layers, self.num_kv_heads, self.head_dim, count, tokens, page_size,
-                                      kv_dtype(self.dtype, self.device), self.device)
+                                      kv_dtype(self.dtype, self.device), self.device, storage=spare)
+
+    def release_cache(self, cache: PagedKVCache) -> None:
+        """``cache`` is no longer used: on a CPU, keep its storage (one per model, while the model
+        lives) for the next :meth:`new_rows_cache` of its shape. A fresh allocation pays for every
+        page the first time it is written: zeroing a new 2,048-position cache of SmolLM2-135M
+        (95 MB in fp32) took 124 ms on a 2-core Intel Xeon, a tenth of a 128-token answer, where
+        zeroing a reused one is a memory write. (CUDA's caching allocator reuses memory already.)"""
+        if cache.device.type == "cpu":
+            _SPARE_KV[self.model] = cache.storage
 
     def kv_layout(self) -> dict:
         """What K/V computed elsewhere must match to be reused here (prefix caching): shapes,

@@ -353,3 +353,28 @@ def test_with_rows_builds_a_block_with_a_spare_page_each():
     cache, seqs = PagedKVCache.with_rows(2, 1, 2, count=3, tokens=9, page_size=4)
     assert cache.num_pages == 3 * (3 + 1) and cache.free_tokens == 3 * 4
     assert cache.block_rows(seqs, 12) == (0, 12, [0, 1, 2]) and cache.block_rows(seqs, 13) is None
+
+
+def test_a_reused_storage_starts_zeroed_and_a_mismatched_one_is_not_taken():
+    dirty = torch.full((2, 2, 3, 4, 1, 8), float("nan"))
+    cache, _ = PagedKVCache.with_rows(2, 1, 8, 1, 8, page_size=4, storage=dirty)
+    assert cache.storage is dirty and not dirty.isnan().any() and not dirty.any()
+    other, _ = PagedKVCache.with_rows(2, 1, 8, 1, 12, page_size=4, storage=torch.full((2, 2, 3, 4, 1, 8), 1.0))
+    assert other.storage.shape == (2, 2, 4, 4, 1, 8) and not other.storage.any()
+
+
+def test_generate_hands_its_cache_storage_to_the_next_call():
+    """The loop's cache goes back to the model's runner at the end of a call, and the next call
+    of the same shape takes it (no fresh allocation to fault in); the tokens are the same."""
+    import treespec
+    from treespec import runner as runner_mod
+
+    model = tiny_model("llama", 3)
+    prompt = [5, 3, 1, 4, 1, 5, 9]
+    first = treespec.generate(model, "ngram", "chain-3", prompt, max_new_tokens=12)
+    spare = runner_mod._SPARE_KV[model]
+    second = treespec.generate(model, "ngram", "chain-3", prompt, max_new_tokens=12)
+    assert runner_mod._SPARE_KV[model] is spare  # taken by the second call, and given back at its end
+    assert first.sequences == second.sequences
+    treespec.generate(model, "ngram", "chain-3", prompt + [2] * 40, max_new_tokens=12)  # another shape
+    assert runner_mod._SPARE_KV[model] is not spare

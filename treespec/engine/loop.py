@@ -100,15 +100,19 @@ def decode(run: Run) -> Iterator[StepOutput]:
     max_nodes = run.tree_cfg.num_nodes + drafter.extra_nodes
     with runner.attached(), contextlib.closing(_prefix_use(run.prefix_cache, runner, drafter)) as prefix_use, \
             contextlib.ExitStack() as ends_with:  # the draft session's close, however the loop ends
+        timer = _StepTimer(metrics)
         # One row of the cache per request, each long enough for the longest: a batch's K/V
         # are then read as a view of the cache, not gathered (PagedKVCache.add_sequences).
         longest = max(len(p) for p in run.prompts) + run.max_new_tokens
         row_tokens = (fixed_row_tokens(longest, max_nodes + 1, runner.fixed_shapes) if runner.fixed_shapes
                       else longest + max_nodes + 1)
         cache, cache_seqs = runner.new_rows_cache(B, row_tokens, run.page_size)
+        ends_with.callback(runner.release_cache, cache)  # its storage serves the next call's cache
         fixed = _fixed_verify(runner, cache, cache_seqs, max_nodes, metrics)
+        sizing = time.perf_counter()
         auto = _controller(run, max_nodes, fixed if runner.fixed_shapes == "compile" else None)
-        timer = _StepTimer(metrics)  # compiling and measuring costs are no step's time
+        # compiling, and measuring what a forward costs (once a process), are no step's time
+        timer.discount(metrics.compile_seconds + time.perf_counter() - sizing)
         rows = [Request(b, list(p), d, s) for b, (p, d, s) in enumerate(zip(run.prompts, run.decodings, cache_seqs))]
         with timer("prefill"):
             features, scores = _prefill(run, rows, cache, prefix_use)
