@@ -364,13 +364,19 @@ def test_precompile_compiles_each_bucket_once_and_steps_compile_nothing():
 def test_compiling_is_no_steps_time():
     """What the verify's and the head's compiles take is counted in ``compile_seconds`` and left
     out of the call's time and its stages'."""
+    import time
+
+    from treespec import fixed_shape
+
     torch._dynamo.reset()
     model, drafter = pair("eagle3")
+    fixed_shape._COMPILED.pop(model, None)  # compiled by an earlier test, before the reset
     drafter = drafter.with_compiled_passes()
-    out = treespec.generate(model, drafter, "chain-3", PROMPTS[:1], max_new_tokens=10, fixed_shapes="compile")
-    m = out.metrics
-    assert m.compile_seconds > 1.0  # a verify bucket, then the head's passes
-    assert m.total_seconds < m.compile_seconds and m.draft_seconds < m.compile_seconds
+    t0 = time.perf_counter()
+    m = treespec.generate(model, drafter, "chain-3", PROMPTS[:1], max_new_tokens=10, fixed_shapes="compile").metrics
+    wall = time.perf_counter() - t0
+    assert m.compile_seconds > 0.3 * wall  # the verify's buckets, then the head's passes
+    assert m.total_seconds <= wall - m.compile_seconds + 0.01
     assert m.draft_seconds + m.verify_seconds + m.prefill_seconds <= m.total_seconds
 
 

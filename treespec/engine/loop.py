@@ -101,18 +101,8 @@ def decode(run: Run) -> Iterator[StepOutput]:
     with runner.attached(), contextlib.closing(_prefix_use(run.prefix_cache, runner, drafter)) as prefix_use, \
             contextlib.ExitStack() as ends_with:  # the draft session's close, however the loop ends
         timer = _StepTimer(metrics)
-        # One row of the cache per request, each long enough for the longest: a batch's K/V
-        # are then read as a view of the cache, not gathered (PagedKVCache.add_sequences).
-        longest = max(len(p) for p in run.prompts) + run.max_new_tokens
-        row_tokens = (fixed_row_tokens(longest, max_nodes + 1, runner.fixed_shapes) if runner.fixed_shapes
-                      else longest + max_nodes + 1)
-        cache, cache_seqs = runner.new_rows_cache(B, row_tokens, run.page_size)
+        cache, cache_seqs, fixed, auto = _set_up(run, max_nodes, metrics, timer)
         ends_with.callback(runner.release_cache, cache)  # its storage serves the next call's cache
-        fixed = _fixed_verify(runner, cache, cache_seqs, max_nodes, metrics)
-        sizing = time.perf_counter()
-        auto = _controller(run, max_nodes, fixed if runner.fixed_shapes == "compile" else None)
-        # compiling, and measuring what a forward costs (once a process), are no step's time
-        timer.discount(metrics.compile_seconds + time.perf_counter() - sizing)
         rows = [Request(b, list(p), d, s) for b, (p, d, s) in enumerate(zip(run.prompts, run.decodings, cache_seqs))]
         with timer("prefill"):
             features, scores = _prefill(run, rows, cache, prefix_use)
@@ -211,6 +201,23 @@ def _draft(run: Run, session, auto, timer: _StepTimer, active: list[Request],
             raise RuntimeError(f"{type(run.drafter).__name__} proposed a tree whose root is not the last committed "
                                "token")
     return trees
+
+
+def _set_up(run: Run, max_nodes: int, metrics: SpecMetrics, timer: "_StepTimer"):
+    """``(cache, its sequences, fixed-shape verify or None, auto controller)`` for the loop.
+    One row of the cache per request, each long enough for the longest: a batch's K/V are then
+    read as a view of the cache, not gathered (PagedKVCache.add_sequences). Compiling, and
+    measuring what a forward costs (once a process), are left out of the timer's time."""
+    runner = run.runner
+    longest = max(len(p) for p in run.prompts) + run.max_new_tokens
+    row_tokens = (fixed_row_tokens(longest, max_nodes + 1, runner.fixed_shapes) if runner.fixed_shapes
+                  else longest + max_nodes + 1)
+    cache, cache_seqs = runner.new_rows_cache(len(run.prompts), row_tokens, run.page_size)
+    fixed = _fixed_verify(runner, cache, cache_seqs, max_nodes, metrics)
+    sizing = time.perf_counter()
+    auto = _controller(run, max_nodes, fixed if runner.fixed_shapes == "compile" else None)
+    timer.discount(metrics.compile_seconds + time.perf_counter() - sizing)
+    return cache, cache_seqs, fixed, auto
 
 
 def _fixed_verify(runner: ModelRunner, cache, seqs, max_nodes: int,
