@@ -57,8 +57,11 @@ def load(req: dict, config: dict):
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     k = config["lookup_tokens"]
+    # With a draft model llama-cpp-python keeps every position's logits but sizes their array by
+    # ``logits_all`` as given (else n_batch, 512 rows): a prompt longer than that crashed its
+    # lookup row (0.3.36, a Spec-Bench summarization prompt); asking for them sizes it by n_ctx.
     return Llama(model_path=req["gguf"], n_ctx=context_size(req), n_threads=req["threads"],
-                 n_threads_batch=req["threads"], verbose=False,
+                 n_threads_batch=req["threads"], verbose=False, logits_all=bool(k),
                  draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k) if k else None)
 
 

@@ -30,7 +30,9 @@ hold them against the lean pass; capturing needs CUDA), or, with ``compile``, th
 ``torch.compile`` on any device: :func:`head_pass` is one function for every pass size, compiled
 for one entry and, the buffers' size marked dynamic, once for two or more, both on padding
 before the first step (:meth:`StaticPasses.precompile`), its weights inputs of the graph
-(:func:`treespec.compiled.compile_fixed`).
+(:func:`treespec.compiled.compile_fixed`). Compiled on a CPU, a pass attends over the row's first
+K keys only, the keys in use rounded up to :data:`~treespec.fixed_shape.KEY_STEP` (K a symbolic
+size of the graph, as the verify forward's), not over the whole row.
 
 Letters: n entries of a pass, m tree entries it sees (the pass's own and the earlier levels'),
 L cached entries before them, C the row's capacity, H hidden size, Vd draft vocabulary.
@@ -47,6 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from ..compiled import COMPILED_MIN_ROW, compile_fixed, pow2_row
+from ..fixed_shape import KEY_STEP
 from ..kv_cache import PagedKVCache
 
 log = logging.getLogger(__name__)
@@ -119,6 +122,8 @@ class StaticPasses:
         for n in (1, 2):
             p = self._pass(n)
             p.mask[:, 0] = True  # each entry sees one key: no all-masked softmax
+            if self._shared.narrow:  # a key count unlike any other size of the pass, so none is taken for it
+                p.keys_in_use = min(KEY_STEP + 1, self.capacity)
             p.launch()
         self._compiled_once = True
         seconds = time.perf_counter() - start
@@ -157,6 +162,9 @@ class _Shared:
         self.head, self.keys, self.values, self.rope, self.pool = head, keys, values, rope, pool
         self.compiled = compiled
         self.capacity = keys.shape[0]
+        # Compiled on a CPU, a pass attends over the row's first K keys, K the keys in use rounded
+        # up to KEY_STEP (a symbolic size: one graph for every K); captured or eager, over all C.
+        self.narrow = compiled is not None and keys.device.type == "cpu"
 
 
 class _Pass:
@@ -175,6 +183,7 @@ class _Pass:
         self._mask_host = torch.zeros(n, owner.capacity, dtype=torch.bool)  # built here, copied over in one go
         self.graph = None
         self.states = self.logp = None
+        self.keys_in_use = owner.capacity  # K: the mask's columns the next launch passes
         if owner.compiled is not None and n >= 2:  # one graph for every size from 2 (1 is dynamo's special case)
             for t in (self.tokens, self.hidden, self.positions, self.slots, self.mask):
                 torch._dynamo.mark_dynamic(t, 0)
@@ -201,6 +210,8 @@ class _Pass:
         host[:, :cached] = True
         host[:, cached:kv] = mask
         self.mask.copy_(host)
+        if self.owner.narrow:
+            self.keys_in_use = min(self.owner.capacity, -(-kv // KEY_STEP) * KEY_STEP)
 
     @torch.inference_mode()
     def launch(self) -> None:
@@ -232,21 +243,28 @@ class _Pass:
     def _body(self) -> None:
         owner = self.owner
         run = owner.compiled or head_pass
+        mask = self.mask
+        if owner.narrow:  # the first K columns, K (and n from 2) symbolic sizes of the graph
+            mask = mask[:, :self.keys_in_use]
+            torch._dynamo.mark_dynamic(mask, 1)
+            if self.n >= 2:
+                torch._dynamo.mark_dynamic(mask, 0)
         # Outputs in the graphs' shared pool: another shape's replay may overwrite them, so
         # StaticPasses.run hands out clones taken right after this shape's launch.
         self.states, self.logp = run(owner.head, owner.keys, owner.values, owner.rope[0], owner.rope[1],
-                                     self.tokens, self.hidden, self.positions, self.slots, self.mask)
+                                     self.tokens, self.hidden, self.positions, self.slots, mask)
 
 
 def head_pass(head, keys, values, cos_table, sin_table, tokens, hidden, positions, slots, mask):
     """One fixed-shape head pass: the states ``[n, H]`` and fp32 log-probabilities ``[n, Vd]``
     of ``n`` entries (``tokens``, ``hidden``, ``positions``), their K/V written into the row
     (``keys``, ``values`` ``[C, Hkv, D]``) at ``slots``, each attending over the row's keys that
-    ``mask`` ``[n, C]`` lets it see. What a CUDA graph captures (a graph a size), and what a
-    compile compiles (one graph for one entry, one for every size from two: :class:`_Pass`
-    marks those buffers' size dynamic)."""
+    ``mask`` ``[n, K]`` lets it see among the row's first K (K <= C; K = C but where compiled on
+    a CPU). What a CUDA graph captures (a graph a size), and what a compile compiles (one graph
+    for one entry, one for every size from two: :class:`_Pass` marks those buffers' size, and K,
+    dynamic)."""
     c = head.config
-    C = keys.shape[0]
+    C = mask.shape[1]
     cos = cos_table.index_select(0, positions)  # [n, D]
     sin = sin_table.index_select(0, positions)
 
@@ -256,8 +274,8 @@ def head_pass(head, keys, values, cos_table, sin_table, tokens, hidden, position
         n, Hq, D = q.shape
         Hkv = k.shape[1]
         g = Hq // Hkv  # query heads per key head: head h reads key head h // g
-        kf = keys.transpose(0, 1).to(torch.float32)  # [Hkv, C, D]
-        vf = values.transpose(0, 1).to(torch.float32)
+        kf = keys[:C].transpose(0, 1).to(torch.float32)  # [Hkv, C, D]
+        vf = values[:C].transpose(0, 1).to(torch.float32)
         q = q.to(torch.float32).view(n, Hkv, g, D).permute(1, 2, 0, 3).reshape(Hkv, g * n, D)
         m = mask[None].expand(g, n, C).reshape(g * n, C)
         out = F.scaled_dot_product_attention(q, kf, vf, attn_mask=m, scale=c.head_dim ** -0.5)
