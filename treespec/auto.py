@@ -323,6 +323,8 @@ class AutoProfile:
                  "using this setting's curve instead (disk cache, else measured)")
         # An earlier generation's steps contradicted the curve (AutoController): measure again.
         refresh = self.keys.pop("costs_contradicted", False) or refresh
+        if fixed is not None:  # its curve stops at the largest bucket (larger trees run today's forward)
+            max_tokens = min(max_tokens, fixed.buckets[-1])
         if self.costs is None or refresh or other or self.costs.max_tokens < max_tokens:
             self.costs = cached_cost_curve(runner, max_tokens, refresh=refresh, fixed=fixed)
             self.keys["costs"] = key

@@ -211,7 +211,8 @@ def measure_fixed_cost_curve(fixed, max_tokens: int, repeats: int = REPEATS, bud
         fixed.forward([seq], [tree], [PREFIX], capture=capture)
         return clock() - t0
 
-    once(sizes[-1])  # warm-up
+    for q in sizes:  # warm-up: a bucket the precompile did not reach compiles here, untimed
+        once(q)
     samples = {q: [] for q in sizes}
     start = clock()
     for _ in range(repeats):
@@ -220,6 +221,7 @@ def measure_fixed_cost_curve(fixed, max_tokens: int, repeats: int = REPEATS, bud
         if clock() - start > budget:
             break
     fixed.cache.truncate(seq, 0)
+    fixed.committed[fixed.row_of[seq]] = 0  # no narrowed forward of this call attends over the measurement's prefix
     seconds = monotone_fit([statistics.median(samples[q]) for q in sizes]).tolist()
     tokens, steps = [], []
     for i, (b, s) in enumerate(zip(sizes, seconds)):  # (previous bucket + 1, s) and (b, s): flat across the bucket
@@ -337,6 +339,8 @@ def cached_cost_curve(runner, max_tokens: int, refresh: bool = False, fixed=None
     attached. ``fixed``: the loop's compiled fixed-shape verify, timed instead of today's forward
     (:func:`measure_fixed_cost_curve`)."""
     key = cost_key(runner, fixed)
+    if fixed is not None:  # trees past the largest bucket run today's forward: the curve stops there
+        max_tokens = min(max_tokens, fixed.buckets[-1])
     path = cache_file(key)
     cached = None
     if not refresh:

@@ -67,7 +67,9 @@ class PagedKVCache:
         # ``storage``: an earlier cache's (:attr:`storage`), zeroed and used if it has this one's
         # shape, dtype and device (see ModelRunner.release_cache); else a new one.
         fits = (storage is not None and tuple(storage.shape) == (2, *shape) and storage.dtype == dtype
-                and storage.device == torch.device(device))
+                and storage.device == torch.device(device)
+                # one made under inference_mode can be written only there
+                and (torch.is_inference_mode_enabled() or not storage.is_inference()))
         self._kv = storage.zero_() if fits else torch.zeros((2, *shape), dtype=dtype, device=device)
         self.k = tuple(self._kv[0][layer] for layer in range(num_layers))
         self.v = tuple(self._kv[1][layer] for layer in range(num_layers))

@@ -378,3 +378,13 @@ def test_generate_hands_its_cache_storage_to_the_next_call():
     assert first.sequences == second.sequences
     treespec.generate(model, "ngram", "chain-3", prompt + [2] * 40, max_new_tokens=12)  # another shape
     assert runner_mod._SPARE_KV[model] is not spare
+
+
+def test_a_storage_made_under_inference_mode_is_reused_only_there():
+    with torch.inference_mode():
+        made, _ = PagedKVCache.with_rows(2, 1, 8, 1, 8, page_size=4)
+        again, _ = PagedKVCache.with_rows(2, 1, 8, 1, 8, page_size=4, storage=made.storage)
+    assert again.storage is made.storage
+    outside, _ = PagedKVCache.with_rows(2, 1, 8, 1, 8, page_size=4, storage=made.storage)
+    assert outside.storage is not made.storage
+    outside.storage.fill_(1.0)  # an ordinary tensor: writable here

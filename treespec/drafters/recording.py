@@ -52,6 +52,7 @@ class RecordingDrafter(Drafter):
 class _RecordingSession(DraftSession):
     def __init__(self, session: DraftSession, trees: list):
         self.session, self.trees = session, trees
+        self.compile_seconds = session.compile_seconds
 
     def propose(self, requests: Sequence[int], roots: Sequence[int], max_depth: Sequence[int]) -> list[Tree]:
         trees = self.session.propose(requests, roots, max_depth)
