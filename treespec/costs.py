@@ -174,17 +174,25 @@ def measure_cost_curve(runner, max_tokens: int, repeats: int = REPEATS, budget: 
     qs = sorted({q for q in GRID if q < max_tokens} | {max(int(max_tokens), 1)})
     once = prefixed_forward(runner, qs[-1], clock)
     once(qs[-1])  # warm-up: first calls allocate and pick kernels
-    # Round-robin over the sizes, so that a burst of noise (another process, a frequency
-    # change) spreads over several sizes' samples rather than owning all of one size's.
-    samples = {q: [] for q in qs}
+    samples = _rounds(once, qs, repeats, budget, clock)
+    seconds = monotone_fit([statistics.median(samples[q]) for q in qs]).tolist()
+    return CostCurve(tuple(qs), tuple(seconds), spread=sample_spread(samples.values()))
+
+
+def _rounds(once: Callable[[int], float], sizes, repeats: int, budget: float,
+            clock: Callable[[], float]) -> dict[int, list[float]]:
+    """Samples of ``once(q)`` for each of ``sizes``: rounds over every size, up to ``repeats``,
+    stopping once ``budget`` seconds have gone (the first round always completes). Round-robin,
+    so that a burst of noise (another process, a frequency change) spreads over several sizes'
+    samples rather than owning all of one size's."""
+    samples = {q: [] for q in sizes}
     start = clock()
     for _ in range(repeats):
-        for q in qs:
+        for q in sizes:
             samples[q].append(once(q))
         if clock() - start > budget:
             break
-    seconds = monotone_fit([statistics.median(samples[q]) for q in qs]).tolist()
-    return CostCurve(tuple(qs), tuple(seconds), spread=sample_spread(samples.values()))
+    return samples
 
 
 def measure_fixed_cost_curve(fixed, max_tokens: int, repeats: int = REPEATS, budget: float = BUDGET_SECONDS,
@@ -213,13 +221,7 @@ def measure_fixed_cost_curve(fixed, max_tokens: int, repeats: int = REPEATS, bud
 
     for q in sizes:  # warm-up: a bucket the precompile did not reach compiles here, untimed
         once(q)
-    samples = {q: [] for q in sizes}
-    start = clock()
-    for _ in range(repeats):
-        for q in sizes:
-            samples[q].append(once(q))
-        if clock() - start > budget:
-            break
+    samples = _rounds(once, sizes, repeats, budget, clock)
     fixed.cache.truncate(seq, 0)
     fixed.committed[fixed.row_of[seq]] = 0  # no narrowed forward of this call attends over the measurement's prefix
     seconds = monotone_fit([statistics.median(samples[q]) for q in sizes]).tolist()

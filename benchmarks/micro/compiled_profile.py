@@ -1,0 +1,50 @@
+"""Where a compiled fixed-shape verify forward's time goes: ``torch.profiler`` over ten forwards
+of a q-token chain after 128 cached tokens, SmolLM2-135M in bf16 on packed weights, 2 threads;
+the table of operations by self time.
+
+    python benchmarks/micro/compiled_profile.py dense 32     # or: gguf 8
+
+Feeds docs/benchmarks.md, "Compiled, round three" (attention, linears, the guard lookup).
+Run it with nothing else on the cores.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from benchmarks.micro.fixed_shape_cost import chain, prefilled  # noqa: E402
+from treespec.fixed_shape import FixedShapeVerify  # noqa: E402
+from treespec.models import load  # noqa: E402
+from treespec.packing import PackedLinears  # noqa: E402
+from treespec.runner import ModelRunner  # noqa: E402
+
+
+def main(argv=None) -> int:
+    weights, q = (argv or sys.argv[1:] or ["dense", "32"])[:2]
+    q = int(q)
+    torch.set_num_threads(2)
+    model, _ = load("smollm2-135m-instruct", dtype=torch.bfloat16, weights=weights)
+    model.requires_grad_(False)
+    runner = ModelRunner(model, "torch")
+    with runner.attached(), PackedLinears(model), torch.inference_mode():
+        cache, seq = prefilled(runner, 128, q, "compile")
+        verify = FixedShapeVerify(runner, cache, [seq], compile=True)
+        tree = chain(q, runner.vocab_size)
+        for _ in range(4):  # the first compiles
+            verify.forward([seq], [tree], [128])
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(10):
+                verify.forward([seq], [tree], [128])
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
