@@ -2,21 +2,25 @@
 (:mod:`treespec.fixed_shape`) and the draft head's passes (:mod:`treespec.drafters.graphs`).
 
 :func:`compile_fixed` compiles with dynamo's recompile limit raised to :data:`RECOMPILE_LIMIT`
-(one compiled version per bucket and row length). The weights stay inputs of the graph, not
-constants: oneDNN-packed linears (:class:`~treespec.packing.PackedLinear`) are called through
-one opaque operation (``treespec::packed_linear``) on the one packed copy the eager forward uses.
-Inductor's ``freezing`` would pack every linear again as a constant of each graph: about 300 MB
-more a compiled bucket for SmolLM2-135M in bf16, measured here, and a graph that keeps the
-weights it was compiled with.
+(one compiled version per bucket and row length). On a CPU the verify forward compiles with
+:func:`cpu_options`: inductor's ``freezing`` makes the weights constants of each graph, so that
+its C++ GEMM templates (AMX or AVX-512 micro-kernels; 4-bit weights de-quantized inside the
+product) can take the linears, about twice as fast as oneDNN's or ATen's 4-bit kernel at a
+verify tree's width (docs/runtime.md, "Fixed-shape verify"). The price: each compiled bucket
+holds the weights it packed for itself (memory a bucket, docs/runtime.md), and a graph keeps the
+weights it was compiled with (treespec compiles per model and never changes weights after).
+oneDNN-packed linears (:class:`~treespec.packing.PackedLinear`) are called through one opaque
+operation (``treespec::packed_linear``) on the one packed copy the eager forward uses.
 """
-
 from __future__ import annotations
 
+import contextlib
+import warnings
 from typing import Callable
 
 import torch
 
-__all__ = ["compile_fixed", "pow2_row", "RECOMPILE_LIMIT", "COMPILED_MIN_ROW", "COMPILED_VERIFY_ROW"]
+__all__ = ["compile_fixed", "cpu_options", "GEMM_TEMPLATES", "pow2_row", "RECOMPILE_LIMIT", "COMPILED_MIN_ROW", "COMPILED_VERIFY_ROW"]
 
 #: compiled versions dynamo keeps of one function: one per bucket and cache shape for the
 #: verify forward (its default of 8 would leave later shapes eager)
@@ -41,13 +45,56 @@ def pow2_row(tokens: int, at_least: int = 0) -> int:
     return max(1 << max(tokens - 1, 1).bit_length(), at_least)
 
 
-def compile_fixed(fn: Callable, **compile_kwargs) -> Callable:
-    """``fn`` through ``torch.compile(**compile_kwargs)``, each call made with dynamo's recompile
-    limit at :data:`RECOMPILE_LIMIT`."""
-    compiled = torch.compile(fn, **compile_kwargs)
+#: compile the CPU verify forward with inductor's own GEMM kernels (see :func:`cpu_options`)
+GEMM_TEMPLATES = True
 
-    def run(*args):
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+
+def cpu_options() -> dict:
+    """Inductor's options for a CPU forward on fixed shapes: the weights frozen into the graph
+    (``freezing``) so that inductor's C++ GEMM templates (AMX/AVX-512 micro-kernels, 4-bit
+    weights de-quantized inside the product) can take every linear, chosen against ATen's by
+    timing each shape once when it compiles (``max_autotune``; inductor's on-disk caches keep
+    the choice). Empty with :data:`GEMM_TEMPLATES` off."""
+    if not GEMM_TEMPLATES:
+        return {}
+    return {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+            "max_autotune_report_choices_stats": False}
+
+
+@contextlib.contextmanager
+def _quiet_autotune():
+    """Inductor writes each autotuning's timings to stderr (``select_algorithm.PRINT_AUTOTUNE``, a
+    module flag, no option) and warns about a deprecated storage call while it tunes: library
+    code does not print, so both are off while a compiled call runs (the flag restored after)."""
+    from torch._inductor import select_algorithm
+
+    before = getattr(select_algorithm, "PRINT_AUTOTUNE", None)
+    select_algorithm.PRINT_AUTOTUNE = False
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+            yield
+    finally:
+        select_algorithm.PRINT_AUTOTUNE = before
+
+
+def compile_fixed(fn: Callable, inductor: dict | None = None, **compile_kwargs) -> Callable:
+    """``fn`` through ``torch.compile(**compile_kwargs)``, each call made with dynamo's recompile
+    limit at :data:`RECOMPILE_LIMIT` and, given ``inductor`` options (:func:`cpu_options`),
+    inductor's config patched with them (``torch.compile(options=)`` does not reach
+    ``freezing``, read outside its patch) and its autotuning quiet."""
+    import torch._inductor.config  # noqa: F401  (torch.compile imports it anyway)
+
+    compiled = torch.compile(fn, **compile_kwargs)
+    if not inductor:
+        def run(*args):
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                return compiled(*args)
+        return run
+    patch = torch._inductor.config.patch(**inductor)
+
+    def run_patched(*args):
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), patch, _quiet_autotune():
             return compiled(*args)
 
-    return run
+    return run_patched

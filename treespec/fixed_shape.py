@@ -48,7 +48,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from .compiled import COMPILED_VERIFY_ROW, compile_fixed, pow2_row
+from .compiled import COMPILED_VERIFY_ROW, compile_fixed, cpu_options, pow2_row
 from .kv_cache import PagedKVCache
 from .runner import ForwardOutput
 from .tree import Tree
@@ -234,7 +234,8 @@ class FixedShapeVerify:
         # replays fixed shapes, so there every forward attends over the whole row.
         self.narrow = cache.device.type == "cpu"
         self._spans: dict[int, torch.Tensor] = {}  # K -> a tensor of K elements, the forward's key count
-        self._run = compile_fixed(self._body, dynamic=False) if compile else self._body
+        options = cpu_options() if cache.device.type == "cpu" else {}
+        self._run = compile_fixed(self._body, options, dynamic=False) if compile else self._body
         self.fixed_forwards = self.fallbacks = 0  # how forwards ran (tests, logs)
 
     @torch.inference_mode()

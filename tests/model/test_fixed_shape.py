@@ -504,3 +504,42 @@ def test_the_fixed_shape_verify_reads_nothing_back(kind, monkeypatch):
     print(f"\n{kind}: per step, today's path {today}\n{kind}: per step, fixed shapes {fixed}")
     assert fixed["reads verify"] == 0 < today["reads verify"]
     assert fixed["reads verify"] + fixed["reads rest"] < today["reads verify"] + today["reads rest"]
+
+
+def _has_avx512() -> bool:
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    return "avx512" in str(pick_vec_isa() or "")
+
+
+@pytest.mark.skipif(not _has_avx512(), reason="inductor's 4-bit GEMM templates need AVX-512 (or AMX); this CPU has neither")
+def test_compiled_cpu_forward_runs_inductors_gemm_templates_quietly(capfd):
+    """Compiled on a CPU (treespec.compiled.cpu_options), the weights are frozen into the graph so
+    that inductor's C++ GEMM templates take the linears, 4-bit ones de-quantized inside the
+    product, and choosing them against ATen's (autotuning, in a fresh cache here) writes nothing
+    to stdout or stderr; the logits are the eager forward's within bf16 rounding."""
+    from torch._inductor.utils import fresh_cache, run_and_get_code
+
+    from treespec.models.quant import quantize_linears
+
+    torch._dynamo.reset()
+    model = tiny_model("llama", 7, layers=1, hidden=64).to(torch.bfloat16)
+    quantize_linears(model, "int4")
+    runner = ModelRunner(model, "torch")
+    tree_list = [Tree([-1, 0, 0, 1, 2], [3, 9, 4, 7, 1])]
+    got = []
+    capfd.readouterr()
+    with fresh_cache():
+        for compile in (False, True):
+            cache, seqs = runner.new_rows_cache(1, fixed_row_tokens(16, 8, "compile"), 4)
+            with runner.attached():
+                verify = FixedShapeVerify(runner, cache, seqs, compile=compile)
+                out, code = run_and_get_code(verify.forward, seqs, tree_list, [5])
+            got.append(out.logits[0].float())
+    printed = capfd.readouterr()
+    src = "\n".join(code)
+    # the 4-bit products are inductor's template (a C++ kernel of its own), not ATen's kernel called from the graph
+    assert "micro_gemm_is_block_start" in src and "int4mm_packed_weight_cpu" not in src
+    assert "aten._weight_int4pack_mm_for_cpu" not in src
+    assert "AUTOTUNE" not in printed.err + printed.out and "Autotune" not in printed.err + printed.out
+    assert (got[0] - got[1]).abs().max() <= 2e-2 * got[0].abs().max()
