@@ -61,6 +61,14 @@ def cpu_options() -> dict:
             "max_autotune_report_choices_stats": False}
 
 
+def templates_active() -> bool:
+    """Whether the compile now running is one with :func:`cpu_options` (inductor's GEMM templates
+    on frozen weights): what a module traced by it may choose its path by."""
+    import torch._inductor.config as inductor
+
+    return GEMM_TEMPLATES and inductor.freezing and inductor.max_autotune
+
+
 @contextlib.contextmanager
 def _quiet_autotune():
     """Inductor writes each autotuning's timings to stderr (``select_algorithm.PRINT_AUTOTUNE``, a

@@ -513,22 +513,29 @@ def _has_avx512() -> bool:
 
 
 @pytest.mark.skipif(not _has_avx512(), reason="inductor's 4-bit GEMM templates need AVX-512 (or AMX); this CPU has neither")
-def test_compiled_cpu_forward_runs_inductors_gemm_templates_quietly(capfd):
+@pytest.mark.parametrize("split", [False, True])
+def test_compiled_cpu_forward_runs_inductors_gemm_templates_quietly(split, capfd):
     """Compiled on a CPU (treespec.compiled.cpu_options), the weights are frozen into the graph so
     that inductor's C++ GEMM templates take the linears, 4-bit ones de-quantized inside the
-    product, and choosing them against ATen's (autotuning, in a fresh cache here) writes nothing
-    to stdout or stderr; the logits are the eager forward's within bf16 rounding."""
+    product, also a width-split layer's above its width (``split``: its dense copy is for eager
+    forwards); with no dense linear left the graph is one inductor caches on disk; choosing the
+    kernels against ATen's (autotuning, in a fresh cache here) writes nothing to stdout or
+    stderr; the logits are the eager forward's within bf16 rounding."""
+    import torch._dynamo.utils as dynamo_utils
     from torch._inductor.utils import fresh_cache, run_and_get_code
 
-    from treespec.models.quant import quantize_linears
+    from treespec.models.quant import keep_dense, quantize_linears
 
     torch._dynamo.reset()
     model = tiny_model("llama", 7, layers=1, hidden=64).to(torch.bfloat16)
-    quantize_linears(model, "int4")
+    quantize_linears(model, "int4", head=True)
+    if split:
+        keep_dense(model, max_rows=1)  # the 5-node tree's bucket of 8 is past it
     runner = ModelRunner(model, "torch")
     tree_list = [Tree([-1, 0, 0, 1, 2], [3, 9, 4, 7, 1])]
     got = []
     capfd.readouterr()
+    dynamo_utils.counters.clear()
     with fresh_cache():
         for compile in (False, True):
             cache, seqs = runner.new_rows_cache(1, fixed_row_tokens(16, 8, "compile"), 4)
@@ -540,6 +547,9 @@ def test_compiled_cpu_forward_runs_inductors_gemm_templates_quietly(capfd):
     src = "\n".join(code)
     # the 4-bit products are inductor's template (a C++ kernel of its own), not ATen's kernel called from the graph
     assert "micro_gemm_is_block_start" in src and "int4mm_packed_weight_cpu" not in src
-    assert "aten._weight_int4pack_mm_for_cpu" not in src
+    assert "aten._weight_int4pack_mm_for_cpu" not in src and "mkldnn" not in src
+    inductor = dynamo_utils.counters["inductor"]
+    assert inductor["fxgraph_cache_miss"] == 1 and not inductor["fxgraph_cache_bypass"]
+    assert not dynamo_utils.counters["graph_break"]
     assert "AUTOTUNE" not in printed.err + printed.out and "Autotune" not in printed.err + printed.out
     assert (got[0] - got[1]).abs().max() <= 2e-2 * got[0].abs().max()

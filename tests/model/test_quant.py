@@ -467,7 +467,7 @@ def test_smollm2_gguf_weights_greedy_is_its_own(smollm2):
     from treespec.drafters import load_draft
 
     model, tok = load("smollm2-135m-instruct", dtype=torch.bfloat16, weights="gguf")
-    assert weights_format(model) == "dense+int4-g32"
+    assert weights_format(model) == "int4-g32+int4-g32x2"  # the layers Q4_1, the tied output head Q8_0 (two copies)
     text = tok.apply_chat_template([{"role": "user", "content": "What is 12 times 7?"}], tokenize=False,
                                    add_generation_prompt=True)
     prompt = tok(text).input_ids

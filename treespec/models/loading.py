@@ -95,7 +95,7 @@ def load(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
     source = _gguf_source(name_or_path, progress) if kind == "gguf" else None  # before seconds of loading
     model, tokenizer = _load(name_or_path, dtype, progress)
     if source is not None:
-        gguf_linears(model, source)
+        gguf_linears(model, source, head=True)
     elif kind != "dense":
         quantize_linears(model, kind)
     if split:

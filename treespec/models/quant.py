@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import compiled
+
 __all__ = ["WEIGHTS", "GROUP_SIZES", "Int4Linear", "Int8Linear", "WidthSplitLinear", "Quantized", "check_kernels",
            "quantize_linears", "keep_dense", "set_split_rows", "weights_format"]
 
@@ -218,8 +220,11 @@ class WidthSplitLinear(nn.Module):
     (issue 48: 210 linears, one thread, 1 row 15.5 ms 4-bit against 40.0 dense, 16 rows 43.3
     against 40.3). Both copies hold the same weights up to the kernels' rounding (the dense one
     is what the quantized one de-quantizes to, rounded to the model's dtype), so a forward's
-    output does not depend on which ran beyond that rounding. Compiled, the width is a constant
-    of the graph and the choice is made once per shape.
+    output does not depend on which ran beyond that rounding. Compiled on a CPU with inductor's
+    GEMM templates (:func:`treespec.compiled.cpu_options`), the quantized copy runs at every
+    width: the template de-quantizes inside the product and keeps up with the dense one at a
+    tree's width (docs/runtime.md, "Fixed-shape verify"), and a graph with no dense linear in it
+    is one inductor can cache on disk (oneDNN-packed constants are not).
     """
 
     def __init__(self, quantized: nn.Module, dense: nn.Linear, max_rows: int = DEFAULT_SPLIT_ROWS):
@@ -231,7 +236,9 @@ class WidthSplitLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        return self.quantized(x) if rows <= self.max_rows else self.dense(x)
+        if rows <= self.max_rows or (torch.compiler.is_compiling() and compiled.templates_active()):
+            return self.quantized(x)
+        return self.dense(x)
 
     @property
     def weight(self) -> torch.Tensor:
