@@ -126,9 +126,9 @@ def add_runtime(p, *, device: str = "auto", dtype: str = "auto", pack: bool | No
                         "Q4_0/Q4_1/Q4_K/Q8_0 blocks (a .gguf model or a named one, as the default model is: exact to "
                         "the file's weights up to --dtype's rounding of their scales); int4 (groups of 32) or int8 "
                         "(a scale a row), quantized on load. Not dense: torch's CPU kernels, bfloat16 the fast "
-                        "--dtype, the output head dense, and the output that of the model so quantized; X+dense: X "
-                        "for forwards up to the width where it measures faster, the dense weights kept for wider "
-                        "ones (docs/runtime.md)")
+                        "--dtype, the output head dense (gguf: on the file's blocks too), and the output that of the "
+                        "model so quantized; X+dense: X for forwards up to the width where it measures faster, the "
+                        "dense weights kept for wider ones (with --compile, X at every width; docs/runtime.md)")
     p.add_argument("--pack", action=argparse.BooleanOptionalAction, default=pack,
                    help="run the model's linear layers on oneDNN-packed weights (CPU; about 0.5 s to pack, doubles "
                         "the linear weights' memory); --no-pack: on plain weights. Default: whichever runs a verify "

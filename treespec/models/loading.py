@@ -84,7 +84,8 @@ def load(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
     linear layers on the GGUF file's own Q4_0 / Q4_1 / Q4_K / Q8_0 blocks (a ``.gguf`` path or a named
     model, which is one; :func:`~.gguf_blocks.gguf_linears`); ``"int4"`` or ``"int8"``, quantized
     on load (:func:`~.quant.quantize_linears`). Quantized weights run on torch's CPU kernels, the
-    output head stays dense, and ``dtype`` is the activations' (bfloat16 is the fast one).
+    output head stays dense (``"gguf"``: on the file's blocks too, as llama.cpp runs it), and
+    ``dtype`` is the activations' (bfloat16 is the fast one).
     Raises ValueError for a format this model cannot take.
     """
     if weights not in WEIGHTS:
