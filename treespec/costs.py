@@ -142,7 +142,7 @@ def cost_key(runner, fixed=None) -> dict:
     from .packing import PackedLinear
 
     model = runner.model
-    compiled = {} if fixed is None else {"verify": "compiled", "rows": fixed.attention.rows}
+    compiled = {} if fixed is None else {"verify": "compiled", "rows": fixed.attention.rows, "kernels": fixed.kernels}
     return {
         **compiled,
         **model_identity(model),

@@ -236,6 +236,9 @@ class FixedShapeVerify:
         self._spans: dict[int, torch.Tensor] = {}  # K -> a tensor of K elements, the forward's key count
         options = cpu_options() if cache.device.type == "cpu" else {}
         self._run = compile_fixed(self._body, options, dynamic=False) if compile else self._body
+        # whose kernels a compiled forward runs: inductor's GEMM templates on frozen weights, or
+        # ATen's and oneDNN's called from the graph (the cost curves' cache key tells them apart)
+        self.kernels = "inductor-gemm" if compile and options else "aten"
         self.fixed_forwards = self.fallbacks = 0  # how forwards ran (tests, logs)
 
     @torch.inference_mode()

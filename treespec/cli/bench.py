@@ -56,8 +56,8 @@ def add_arguments(p):
                         "first; on the CPUs measured it was slower than plain HF generate, docs/benchmarks.md)")
     p.add_argument("--compile", action="store_true",
                    help="also run each treespec configuration with its verify forward compiled on fixed shapes "
-                        "(fixed_shapes='compile'; the warm-up compiles: up to 4 minutes for the default on 2 cores, "
-                        "about one from inductor's on-disk cache in a later process)")
+                        "(fixed_shapes='compile'; the warm-up compiles: up to 8 minutes for the default on 2 cores, "
+                        "less from inductor's on-disk cache in a later process, not with dense weights)")
     add_dataset(p)
     add_sampling(p, seed=0)
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,

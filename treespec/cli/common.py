@@ -108,9 +108,9 @@ def add_runtime(p, *, device: str = "auto", dtype: str = "auto", pack: bool | No
                        "from CUDA graphs (one request at a time; other drafters run eagerly)")
     if compile:  # generate's and chat's; bench's --compile adds compiled twins instead
         p.add_argument("--compile", dest="compiled", action="store_true", help="compile the verify forward on fixed "
-                       "shapes and an EAGLE head's passes (torch.compile; a process's first call compiles: about a "
-                       "minute for the default's tree sizes on 2 cores from inductor's on-disk cache, up to 4 "
-                       "without, docs/benchmarks.md)")
+                       "shapes and an EAGLE head's passes (torch.compile; a process's first call compiles: up to 8 "
+                       "minutes for the default's tree sizes on 2 cores, less in a later process from inductor's "
+                       "on-disk cache, which dense weights cannot use; docs/runtime.md)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: one per physical core available; on a machine whose cores "
                         "other processes keep busy, fewer is much faster, often 1: see README, Threads)")
