@@ -12,6 +12,7 @@ weights it was compiled with (treespec compiles per model and never changes weig
 oneDNN-packed linears (:class:`~treespec.packing.PackedLinear`) are called through one opaque
 operation (``treespec::packed_linear``) on the one packed copy the eager forward uses.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -20,7 +21,8 @@ from typing import Callable
 
 import torch
 
-__all__ = ["compile_fixed", "cpu_options", "GEMM_TEMPLATES", "pow2_row", "RECOMPILE_LIMIT", "COMPILED_MIN_ROW", "COMPILED_VERIFY_ROW"]
+__all__ = ["compile_fixed", "cpu_options", "templates_active", "GEMM_TEMPLATES", "pow2_row", "RECOMPILE_LIMIT",
+           "COMPILED_MIN_ROW", "COMPILED_VERIFY_ROW"]
 
 #: compiled versions dynamo keeps of one function: one per bucket and cache shape for the
 #: verify forward (its default of 8 would leave later shapes eager)
@@ -94,15 +96,11 @@ def compile_fixed(fn: Callable, inductor: dict | None = None, **compile_kwargs) 
     import torch._inductor.config  # noqa: F401  (torch.compile imports it anyway)
 
     compiled = torch.compile(fn, **compile_kwargs)
-    if not inductor:
-        def run(*args):
-            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-                return compiled(*args)
-        return run
-    patch = torch._inductor.config.patch(**inductor)
+    patch = torch._inductor.config.patch(**inductor) if inductor else contextlib.nullcontext()
+    quiet = _quiet_autotune if inductor else contextlib.nullcontext
 
-    def run_patched(*args):
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), patch, _quiet_autotune():
+    def run(*args):
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), patch, quiet():
             return compiled(*args)
 
-    return run_patched
+    return run
