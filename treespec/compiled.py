@@ -16,13 +16,15 @@ operation (``treespec::packed_linear``) on the one packed copy the eager forward
 from __future__ import annotations
 
 import contextlib
+import types
 import warnings
+import weakref
 from typing import Callable
 
 import torch
 
-__all__ = ["compile_fixed", "cpu_options", "templates_active", "GEMM_TEMPLATES", "pow2_row", "RECOMPILE_LIMIT",
-           "COMPILED_MIN_ROW", "COMPILED_VERIFY_ROW"]
+__all__ = ["compile_fixed", "compile_for_model", "cpu_options", "templates_active", "GEMM_TEMPLATES",
+           "SKIP_MODULE_GUARDS", "pow2_row", "RECOMPILE_LIMIT", "COMPILED_MIN_ROW", "COMPILED_VERIFY_ROW"]
 
 #: compiled versions dynamo keeps of one function: one per bucket and cache shape for the
 #: verify forward (its default of 8 would leave later shapes eager)
@@ -104,3 +106,36 @@ def compile_fixed(fn: Callable, inductor: dict | None = None, **compile_kwargs) 
             return compiled(*args)
 
     return run
+
+
+#: :func:`compile_for_model` drops dynamo's guards on the model's modules (False: keeps them,
+#: as ``torch.compile`` does; set it before the first compile)
+SKIP_MODULE_GUARDS = True
+
+# model -> {key: its compiled function}: :func:`compile_for_model`'s
+_PER_MODEL: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def compile_for_model(fn: Callable, model: torch.nn.Module, key, inductor: dict | None = None,
+                      **compile_kwargs) -> Callable:
+    """:func:`compile_fixed` of ``fn``, once per ``model`` and ``key``, on a code object of its own
+    per model, with dynamo's guards on the model's modules dropped.
+
+    Why: dynamo checks a compiled function's guards at every call, and a forward through a
+    transformers model carries about 10,000 of them (every submodule's type, attributes, hooks,
+    config, partly in Python): 1.3-1.6 ms a call for the verify forward with its six buckets
+    compiled, against 0.15-0.18 ms without the module guards (``torch.profiler``'s cache lookup,
+    docs/runtime.md). What they guard is that the modules do not change, which a compiled verify
+    forward already assumes of the model: frozen, its weights are constants of the graph. Tensor,
+    argument and global guards stay, so buckets, cache shapes and ``capture`` still pick their
+    graph. Dynamo keeps compiled graphs per code object, and without the module guards nothing
+    would tell two models of one shape apart: each model compiles a copy of ``fn`` with a code
+    object of its own (inductor's on-disk cache still serves the graphs, which do not name it)."""
+    per_model = _PER_MODEL.setdefault(model, {})
+    if key not in per_model:
+        own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+        if SKIP_MODULE_GUARDS:
+            skip = torch.compiler.skip_guard_on_all_nn_modules_unsafe
+            compile_kwargs = {**compile_kwargs, "options": {"guard_filter_fn": skip}}
+        per_model[key] = compile_fixed(own, inductor, **compile_kwargs)
+    return per_model[key]

@@ -31,7 +31,9 @@ on shapes that depend only on the bucket (1, 4, 8, 16, 32 or 64 tokens a row) an
 
 Trees past the largest bucket, or past their row, go through today's forward. With
 ``compile=True`` the forward runs through ``torch.compile(dynamic=False)``: one compile per
-bucket (and row capacity), none as the prefix grows (``tests/model/test_fixed_shape.py`` counts them).
+bucket (and row capacity), none as the prefix grows (``tests/model/test_fixed_shape.py`` counts them),
+one compiled body per model whose calls skip dynamo's guards on the model's modules
+(:func:`~treespec.compiled.compile_for_model`).
 
 Letters: R rows of the cache (one per request of the batch), N tokens of a bucket, n tree nodes,
 C a row's capacity, V vocabulary, F features, H query heads, Hkv key heads, D head dim.
@@ -39,6 +41,7 @@ C a row's capacity, V vocabulary, F features, H query heads, Hkv key heads, D he
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import weakref
@@ -48,7 +51,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from .compiled import COMPILED_VERIFY_ROW, compile_fixed, cpu_options, pow2_row
+from .compiled import COMPILED_VERIFY_ROW, compile_for_model, cpu_options, pow2_row
 from .kv_cache import PagedKVCache
 from .runner import ForwardOutput
 from .tree import Tree
@@ -235,7 +238,10 @@ class FixedShapeVerify:
         self.narrow = cache.device.type == "cpu"
         self._spans: dict[int, torch.Tensor] = {}  # K -> a tensor of K elements, the forward's key count
         options = cpu_options() if cache.device.type == "cpu" else {}
-        self._run = compile_fixed(self._body, options, dynamic=False) if compile else self._body
+        self._run = self._body
+        if compile:  # one compiled body per model and device, its graphs for every instance
+            body = compile_for_model(FixedShapeVerify._body, runner.model, cache.device.type, options, dynamic=False)
+            self._run = functools.partial(body, self)
         # whose kernels a compiled forward runs: inductor's GEMM templates on frozen weights, or
         # ATen's and oneDNN's called from the graph (the cost curves' cache key tells them apart)
         self.kernels = "inductor-gemm" if compile and options else "aten"

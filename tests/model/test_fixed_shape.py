@@ -435,6 +435,29 @@ def test_compiled_bf16_logits_are_eagers_within_bf16_rounding():
     assert (got[0] - got[1]).abs().max() <= 2e-2 * got[0].abs().max()
 
 
+
+def test_two_models_of_one_shape_each_run_their_own_compiled_graphs():
+    """Compiled, the verify forward's calls skip dynamo's guards on the model's modules
+    (treespec.compiled.compile_for_model), so nothing in the guards tells two models of one
+    shape apart: each model compiles a body of its own, and the second runs its own weights, not
+    the first's frozen into the first's graphs."""
+    torch._dynamo.reset()
+    tree_list = [Tree([-1, 0, 0, 1], [3, 9, 4, 7])]
+    models = [tiny_model("llama", seed, layers=2).to(torch.bfloat16) for seed in (5, 6)]
+    logits = []
+    for model in models:
+        runner = ModelRunner(model, "torch")
+        got = []
+        for compile in (False, True):
+            cache, seqs = runner.new_rows_cache(1, fixed_row_tokens(16, 4, "compile"), 4)
+            with runner.attached():
+                got.append(FixedShapeVerify(runner, cache, seqs, compile=compile).forward(seqs, tree_list, [5])
+                           .logits[0].float())
+        assert (got[0] - got[1]).abs().max() <= 2e-2 * got[0].abs().max()
+        logits.append(got[0])
+    assert (logits[0] - logits[1]).abs().max() > 0.1  # two models indeed
+
+
 # ---- reads back to the host (issue 47, item 4's proxy) -------------------------------------------
 
 # What waits for the device on a GPU: a scalar read (item, int(), bool()), a comparison that
