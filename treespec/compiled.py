@@ -122,7 +122,7 @@ def compile_for_model(fn: Callable, model: torch.nn.Module, key, inductor: dict 
     per model, with dynamo's guards on the model's modules dropped.
 
     Why: dynamo checks a compiled function's guards at every call, and a forward through a
-    transformers model carries about 10,000 of them (every submodule's type, attributes, hooks,
+    transformers model carries thousands of them (every submodule's type, attributes, hooks,
     config, partly in Python): 0.72 ms a call for the verify forward with its six buckets
     compiled, against 0.13 ms without the module guards (docs/runtime.md, "Fixed-shape verify").
     What they guard is that the modules do not change, which a compiled verify

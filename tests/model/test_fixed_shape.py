@@ -435,7 +435,6 @@ def test_compiled_bf16_logits_are_eagers_within_bf16_rounding():
     assert (got[0] - got[1]).abs().max() <= 2e-2 * got[0].abs().max()
 
 
-
 def test_two_models_of_one_shape_each_run_their_own_compiled_graphs():
     """Compiled, the verify forward's calls skip dynamo's guards on the model's modules
     (treespec.compiled.compile_for_model), so nothing in the guards tells two models of one
