@@ -35,7 +35,7 @@ from transformers import AttentionInterface
 from .kv_cache import PagedKVCache, as_slice
 
 __all__ = ["ForwardBatch", "TorchBackend", "FlexBackend", "FlashInferBackend", "FlashInferPlan", "get_backend",
-           "backend_for", "ATTENTION_NAME", "kv_dtype", "flex_block_mask"]
+           "backend_for", "ATTENTION_NAME", "kv_dtype", "flex_block_mask", "flashinfer_problem"]
 
 ATTENTION_NAME = "treespec"
 
@@ -448,6 +448,33 @@ class FlashInferBackend(AttentionBackend):
         return self.wrapper.run(q, (k_cache, batch.cache.v[layer]))
 
 
+#: what FlashInfer's FA2 prefill kernels are built for: the activations' dtype and the head size
+FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+
+
+def flashinfer_problem(dtype: torch.dtype | None, head_dim: int | None) -> str | None:
+    """Why FlashInfer's kernels cannot attend for a model of ``dtype`` and ``head_dim`` (None:
+    not known, not checked), or None."""
+    if dtype is not None and dtype not in FLASHINFER_DTYPES:
+        return f"runs float16 and bfloat16 models (its FA2 kernels); this one is {str(dtype).removeprefix('torch.')}"
+    if head_dim is not None and head_dim not in FLASHINFER_HEAD_DIMS:
+        return (f"takes head sizes {', '.join(map(str, FLASHINFER_HEAD_DIMS))} (its FA2 kernels); this model's "
+                f"is {head_dim}")
+    return None
+
+
+def attention_shape(owner: torch.nn.Module) -> tuple[torch.dtype | None, int | None]:
+    """``(dtype, head size)`` of a module that attends through a backend (a transformers model,
+    an EAGLE head), each None where it cannot be read."""
+    p = next(owner.parameters(), None)
+    cfg = getattr(owner, "config", None)
+    head = getattr(cfg, "head_dim", None)
+    if head is None and getattr(cfg, "num_attention_heads", None):
+        head = cfg.hidden_size // cfg.num_attention_heads
+    return (None if p is None else p.dtype), (int(head) if head else None)
+
+
 def flashinfer_available() -> bool:
     if not torch.cuda.is_available():
         return False
@@ -458,11 +485,13 @@ def flashinfer_available() -> bool:
     return True
 
 
-def backend_name(name: str, device) -> str:
+def backend_name(name: str, device, dtype: torch.dtype | None = None, head_dim: int | None = None) -> str:
     """The backend ``name`` stands for on ``device``: ``auto`` is FlashInfer on CUDA when it is
-    installed, else torch (never flex); other names stand for themselves."""
+    installed and takes a model of ``dtype`` and ``head_dim``, else torch (never flex); other
+    names stand for themselves."""
     if name == "auto":
-        return "flashinfer" if torch.device(device).type == "cuda" and flashinfer_available() else "torch"
+        fits = flashinfer_problem(dtype, head_dim) is None
+        return "flashinfer" if torch.device(device).type == "cuda" and fits and flashinfer_available() else "torch"
     return name
 
 
@@ -481,18 +510,20 @@ def backend_for(owner: torch.nn.Module, name: str, device) -> AttentionBackend:
     state; the model's attention switch was already one per model). Raises ValueError as
     :func:`get_backend` does."""
     device = torch.device(device)
-    key = (backend_name(name, device), str(device))
+    shape = attention_shape(owner)
+    key = (backend_name(name, device, *shape), str(device))
     kept = _BUILT.setdefault(owner, {})
     if key not in kept:
-        kept[key] = get_backend(key[0], device)
+        kept[key] = get_backend(key[0], device, *shape)
     return kept[key]
 
 
-def get_backend(name: str, device) -> AttentionBackend:
+def get_backend(name: str, device, dtype: torch.dtype | None = None, head_dim: int | None = None) -> AttentionBackend:
     """A new attention backend ``name`` (``auto``, ``torch``, ``flex``, ``flashinfer``) for
-    ``device``; :func:`backend_for` keeps one per model instead."""
+    ``device`` and a model of ``dtype`` and ``head_dim`` (None: not checked); :func:`backend_for`
+    keeps one per model instead."""
     device = torch.device(device)
-    name = backend_name(name, device)
+    name = backend_name(name, device, dtype, head_dim)
     if name == "torch":
         return TorchBackend()
     if name == "flex":
@@ -503,6 +534,9 @@ def get_backend(name: str, device) -> AttentionBackend:
     if name == "flashinfer":
         if device.type != "cuda":
             raise ValueError(f"attention_backend='flashinfer' needs a CUDA model, this one is on {device}")
+        problem = flashinfer_problem(dtype, head_dim)
+        if problem:
+            raise ValueError(f"attention_backend='flashinfer' {problem}: use 'torch' or 'flex'")
         if not flashinfer_available():
             raise ValueError(
                 "attention_backend='flashinfer' needs the flashinfer package: "

@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
 # GPU check for a bare CUDA machine without a network, with at most 64 MiB of files brought
-# along: it installs nothing, downloads nothing, and ends within about 7.5 minutes (each step has
-# a time limit: 110 + 80 + 230 s, each plus at most 10 s to stop). What it needs is the checkout
-# itself (treespec/, tests/, benchmarks/) and a python with torch (CUDA), transformers, triton,
-# pytest and hypothesis; FlashInfer is used when it imports, skipped otherwise.
+# along: it downloads nothing, installs only what a run brings (FlashInfer's cut, where carried),
+# and ends within about 7.5 minutes, 9.5 with FlashInfer's build (each step has a time limit:
+# 110 + 80 + 230 s, and 120 for FlashInfer, each plus at most 10 s to stop). What it needs is the
+# checkout itself (treespec/, tests/, benchmarks/) and a python with torch (CUDA), transformers,
+# triton, pytest and hypothesis; FlashInfer is used when it imports, skipped otherwise.
 #   1. the environment: GPU, torch, CUDA, transformers, triton, whether flex and FlashInfer run;
+#   1b. FlashInfer, when its cut is carried (build/flashinfer/, made here by
+#      benchmarks/figures/flashinfer_cut.py; `carry: ["build/flashinfer"]`): unpacked with its
+#      apache-tvm-ffi wheel into /tmp/treespec-fi, its FA2 batch-prefill modules JIT-built once
+#      (MAX_JOBS, FLASHINFER_CUDA_ARCH_LIST=9.0a; FI_LIMIT seconds, 120) and their .so files
+#      copied to $OUT/flashinfer-aot/; the later steps then import it;
 #   2. the verify cost curve and a logits check on a model of Llama-3.1-8B's shape (hidden 4096,
 #      32 layers, 32 heads, 8 KV heads, vocab 128256) with random weights built on the GPU in
 #      bf16: one forward of a random tree of q = 1 .. 128 tokens after 1,536 cached tokens,
@@ -43,6 +49,8 @@ REPEATS=${REPEATS:-10}
 COST_LIMIT=${COST_LIMIT:-110}     # seconds for step 2 (72 s on an H200)
 DRAFT_LIMIT=${DRAFT_LIMIT:-80}    # seconds for step 3 (21 s on an H200 before its session part)
 TESTS_LIMIT=${TESTS_LIMIT:-230}   # seconds for step 4 (106 s on an H200 before the graph tests)
+FI_LIMIT=${FI_LIMIT:-120}         # seconds for step 1b (not yet run on a GPU; its 30 sources took 173 s on 2 CPU cores)
+FI_CUT=build/flashinfer/flashinfer-cut.tar.gz
 COST_SCRIPT=benchmarks/micro/verify_cost_gpu.py
 DRAFT_SCRIPT=benchmarks/micro/draft_step_gpu.py
 TESTS=(tests/gpu/test_cuda_graphs.py tests/gpu/test_cuda.py tests/model/test_backends.py)
@@ -85,6 +93,12 @@ if mib > limit:
     print(f"FAIL: {mib:.1f} MiB is over the {limit:.0f} MiB that can be brought to the GPU machine")
     sys.exit(1)
 EOF
+  if [ -f "$FI_CUT" ]; then
+    fi_mib=$(du -cm "$FI_CUT" build/flashinfer/apache_tvm_ffi-*cp312*.whl 2>/dev/null | tail -1 | cut -f1)
+    echo "ok: the FlashInfer cut is here ($FI_CUT and apache-tvm-ffi, about $fi_mib MiB): carry build/flashinfer"
+  else
+    echo "note: no FlashInfer cut (python benchmarks/figures/flashinfer_cut.py makes it): the run tests without FlashInfer"
+  fi
   [ "$fail" = 0 ] && echo "dry run: ok" || echo "dry run: FAILED"
   exit "$fail"
 fi
@@ -101,6 +115,17 @@ run_step() {  # run_step NAME LIMIT COMMAND...: time-limited, exit status record
   steps+=("$name $rc $(( $(date +%s) - start )) $limit")
   echo "== $name: exit $rc after $(( $(date +%s) - start )) s (limit $limit s)"
 }
+
+# 1b. FlashInfer from its carried cut, its modules built before anything imports it.
+if [ -f "$FI_CUT" ] && [ "$DEVICE" = cuda ]; then
+  FI=/tmp/treespec-fi
+  mkdir -p "$FI/site" "$FI/ws" && tar xzf "$FI_CUT" -C "$FI/site" \
+    && "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$FI/site" build/flashinfer/apache_tvm_ffi-*cp312*.whl \
+    && export PYTHONPATH="$PYTHONPATH:$FI/site" FLASHINFER_WORKSPACE_BASE="$FI/ws" \
+              FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-16}
+  run_step flashinfer "$FI_LIMIT" bash -c "set -o pipefail; '$PY' benchmarks/figures/flashinfer_cut.py \
+    --jit-build '$OUT/flashinfer-aot' --json '$OUT/flashinfer_build.json' 2>&1 | tee '$OUT/flashinfer_build.txt'"
+fi
 
 # 1. The environment; without a GPU nothing else runs.
 "$PY" - "$OUT/gpu_check.json" "$DEVICE" <<'EOF' || { echo "gpu_check.sh needs a CUDA GPU (see above)"; exit 2; }

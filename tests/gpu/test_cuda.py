@@ -45,7 +45,7 @@ def gpu_model(family: str, seed: int, **kw):
     return tiny_model(family, seed, hidden=256, heads=4, kv_heads=2, **kw)
 
 
-@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("backend", [b for b in _backends() if b != "flashinfer"])  # its kernels: fp16/bf16
 @pytest.mark.parametrize("tree", ["chain-3", "cpu", "eagle2"])
 def test_greedy_equals_hf_generate_on_gpu_fp32(backend, tree):
     model = gpu_model("llama", 1).to("cuda")

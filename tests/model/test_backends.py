@@ -251,6 +251,30 @@ def test_flex_on_a_torch_without_flex_attention_says_so(monkeypatch):
     assert model.config._attn_implementation == before
 
 
+@pytest.mark.parametrize("dtype, head_dim, problem", [
+    (torch.float32, 64, "runs float16 and bfloat16 models"),
+    (torch.bfloat16, 8, "takes head sizes 64, 128, 256"),
+    (torch.float16, 128, None),
+    (torch.bfloat16, None, None),  # not known: not checked
+])
+def test_flashinfer_is_asked_only_for_what_its_kernels_take(dtype, head_dim, problem, monkeypatch):
+    """FlashInfer's FA2 kernels take fp16/bf16 and head sizes 64/128/256: asked for anything else
+    it refuses in one line (on a CUDA device, before importing it), and ``auto`` picks torch
+    instead, even where FlashInfer is installed."""
+    import treespec.attention as attention
+
+    monkeypatch.setattr(attention, "flashinfer_available", lambda: True)
+    got = attention.flashinfer_problem(dtype, head_dim)
+    assert got is None if problem is None else got.startswith(problem)
+    assert attention.backend_name("auto", "cuda", dtype, head_dim) == ("torch" if problem else "flashinfer")
+    assert attention.backend_name("auto", "cpu", dtype, head_dim) == "torch"
+    if problem:
+        with pytest.raises(ValueError, match=f"attention_backend='flashinfer' {problem}.*use 'torch' or 'flex'"):
+            get_backend("flashinfer", "cuda", dtype, head_dim)
+    owner = tiny_model("llama", 0, hidden=256, heads=4).to(torch.bfloat16)  # head size 64
+    assert attention.attention_shape(owner) == (torch.bfloat16, 64)
+
+
 def test_flashinfer_on_cpu_model_raises_and_restores():
     model = tiny_model("llama", 0)
     before = model.config._attn_implementation
