@@ -511,7 +511,7 @@ def backend_for(owner: torch.nn.Module, name: str, device) -> AttentionBackend:
     :func:`get_backend` does."""
     device = torch.device(device)
     shape = attention_shape(owner)
-    key = (backend_name(name, device, *shape), str(device))
+    key = (backend_name(name, device, *shape), str(device), shape)  # a model cast since is asked again
     kept = _BUILT.setdefault(owner, {})
     if key not in kept:
         kept[key] = get_backend(key[0], device, *shape)

@@ -2,13 +2,14 @@
 treespec's verify forward needs, small enough to be carried there.
 
 The flashinfer-python wheel (62 MB) ships no FA2 kernels: they are built with nvcc on first use.
-treespec's FlashInfer backend runs one module, the FA2 batch prefill over a paged cache with a
-custom mask (``BatchPrefillWithPagedKVCacheWrapper(..., backend="fa2")``), one per dtype and head
-size. What building it reads is what this keeps: the Python modules ``import flashinfer`` and
-the prefill wrapper load (and their packages' other modules), the templates the module's sources
-are rendered from, and the headers those sources include, followed through FlashInfer's own
-include paths. The GPU image lacks ``apache-tvm-ffi`` too: its wheel for the GPU's Python comes
-beside the cut.
+treespec's FlashInfer backend loads two kinds of module (:func:`module_specs`): the FA2 batch
+prefill over a paged cache with a custom mask (``BatchPrefillWithPagedKVCacheWrapper(...,
+backend="fa2")``), one per dtype and head size, and the quantization module that packs the mask
+in every ``plan()``. What building them reads is what this keeps: the Python modules ``import
+flashinfer`` and the prefill wrapper load (and their packages' other modules), every package
+file read while the modules' sources are rendered (their templates), the headers those sources
+include, followed through FlashInfer's own include paths, and the vendored CCCL whole. The GPU
+image lacks ``apache-tvm-ffi`` too: its wheel for the GPU's Python comes beside the cut.
 
     python benchmarks/figures/flashinfer_cut.py                # fetch, cut, check: build/flashinfer/ (carry it)
     python benchmarks/figures/flashinfer_cut.py --check        # check the cut there again
@@ -51,9 +52,31 @@ CUDA = ("nvidia-cuda-nvcc==13.5.37", "nvidia-cuda-crt==13.5.37", "nvidia-cuda-ru
 GPU_PYTHON = "3.12"  # the GPU image's (docs: .library/device/KINDS.md)
 CUT = "flashinfer-cut.tar.gz"
 LIMIT_MIB = 16
-# (dtype, head size) of the modules a GPU run builds: the shipped SmolLM2-135M pair (bf16, 64),
-# the Llama-3.1-8B shape the GPU check times (bf16, 128) and the CUDA tests' models (fp16 and bf16, 64).
+# (dtype, head size) of the prefill modules a GPU run builds: the shipped SmolLM2-135M pair (bf16,
+# 64), the Llama-3.1-8B shape the GPU check times (bf16, 128) and the CUDA tests' models (fp16 and
+# bf16, 64).
 MODULES = (("bfloat16", 64), ("bfloat16", 128), ("float16", 64))
+FIGURES = Path(__file__).resolve().parent
+
+
+def module_specs() -> list:
+    """FlashInfer's JIT specs of what treespec's backend loads (import FlashInfer first, from the
+    cut): per :data:`MODULES` entry the FA2 batch-prefill module that
+    ``BatchPrefillWithPagedKVCacheWrapper(..., backend="fa2")`` loads (its equal-stride "primary";
+    treespec's K and V caches share strides, so the lazily built independent-stride module is not
+    needed), and the quantization module whose ``segment_packbits`` packs the custom mask in
+    every ``plan()``."""
+    import torch
+    from flashinfer.jit.attention.modules import _gen_batch_prefill_primary_module
+    from flashinfer.jit.quantization import gen_quantization_module
+
+    specs = []
+    for dtype, head in MODULES:
+        dt = getattr(torch, dtype)
+        specs.append(_gen_batch_prefill_primary_module("fa2", dt, dt, dt, torch.int32, head, head, 0, False, False,
+                                                       False))
+    return specs + [gen_quantization_module()]
+
 
 # What the probe runs in a fresh interpreter with only the unpacked wheel (or cut) and tvm_ffi on
 # its path: the imports, each module's sources rendered (no build), and every file of the package
@@ -70,13 +93,10 @@ def hook(event, args):
 sys.addaudithook(hook)
 import torch, flashinfer
 from flashinfer.prefill import BatchPrefillWithPagedKVCacheWrapper  # noqa: F401
-from flashinfer.jit.attention import gen_batch_prefill_module
 from flashinfer.jit import cpp_ext
-specs = []
-for dtype, head in json.loads(sys.argv[2]):
-    dt = getattr(torch, dtype)
-    spec = gen_batch_prefill_module("fa2", dt, dt, dt, torch.int32, head, head, 0, False, False, False)
-    specs.append({"name": spec.name, "sources": [str(s) for s in spec.sources]})
+sys.path.insert(0, sys.argv[2])
+from flashinfer_cut import module_specs
+specs = [{"name": spec.name, "sources": [str(s) for s in spec.sources]} for spec in module_specs()]
 flags = cpp_ext.build_common_cflags("/nonexistent-cuda")
 dirs = [f.split(None, 1)[-1].removeprefix("-I") for f in flags if f.startswith(("-I", "-isystem"))]
 modules = sorted({os.path.realpath(m.__file__) for m in list(sys.modules.values())
@@ -97,8 +117,9 @@ def pip_download(spec: str, dest: Path, *extra: str) -> Path:
     if have:
         return have[0]
     dest.mkdir(parents=True, exist_ok=True)
-    run = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d",
-                          str(dest), spec, *extra], capture_output=True, text=True)
+    run = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q",
+                          "--retries", "1", "--timeout", "20", "-d", str(dest), spec, *extra],
+                         capture_output=True, text=True)
     if run.returncode != 0:
         raise SystemExit(f"pip could not fetch {spec} (a package registry is needed): {run.stderr.strip()[-500:]}")
     return next(w for w in dest.glob(f"{name}-{version}-*.whl") if tag in w.name or not tag)
@@ -113,7 +134,7 @@ def probe(site: Path, tvm_site: Path, workspace: Path) -> dict:
     """Run :data:`PROBE` over the FlashInfer in ``site`` (its own interpreter, this one's torch)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(tvm_site)]),
            "FLASHINFER_CUDA_ARCH_LIST": "9.0a", "FLASHINFER_WORKSPACE_BASE": str(workspace)}
-    run = subprocess.run([sys.executable, "-c", PROBE, str(site.resolve()), json.dumps(MODULES)], env=env,
+    run = subprocess.run([sys.executable, "-c", PROBE, str(site.resolve()), str(FIGURES)], env=env,
                          capture_output=True, text=True, cwd=workspace)
     if run.returncode != 0:
         raise RuntimeError(f"importing FlashInfer from {site} and rendering its modules failed:\n{run.stderr[-3000:]}")
@@ -142,6 +163,14 @@ def include_closure(sources: list[str], dirs: list[str]) -> tuple[set[str], set[
     return found, missing
 
 
+def _extract(tar: tarfile.TarFile, dest: Path) -> None:
+    """The archive's files into ``dest``, through tarfile's safe filter where Python has it."""
+    if hasattr(tarfile, "data_filter"):
+        tar.extractall(dest, filter="data")
+    else:  # Python before 3.10.12 / 3.11.4: the cut is this script's own archive
+        tar.extractall(dest)
+
+
 def unpack_wheel(wheel: Path, dest: Path) -> Path:
     with zipfile.ZipFile(wheel) as z:
         z.extractall(dest)
@@ -166,7 +195,8 @@ def kept_files(site: Path, seen: dict) -> list[Path]:
     keep |= {Path(p) for p in seen["opened"] if Path(p).is_file()}
     sources = [s for spec in seen["specs"] for s in spec["sources"]]
     found, _ = include_closure(sources, seen["include_dirs"])
-    keep |= {Path(p) for p in found if p.startswith(str(root))}
+    # the headers, and the sources the package ships as they are (the quantization module's)
+    keep |= {Path(p) for p in [*found, *sources] if p.startswith(str(root))}
     # CCCL whole: CUDA's own headers (cooperative_groups.h, ...) include <cuda/std/...>, which the
     # vendored CCCL, first on the include path, must answer, not half of it with CUDA's copy.
     keep |= set((root / "flashinfer" / "data" / "cccl").rglob("*"))
@@ -179,6 +209,8 @@ def build_cut(wheels: Path, out: Path) -> Path:
     wheel = pip_download(FLASHINFER, wheels)
     out.mkdir(parents=True, exist_ok=True)
     tvm = pip_download(TVM_FFI, wheels, *gpu_wheel_args())
+    for old in out.glob("apache_tvm_ffi-*.whl"):
+        old.unlink()  # one wheel: the GPU run installs what the glob finds
     shutil.copy2(tvm, out / tvm.name)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -190,8 +222,8 @@ def build_cut(wheels: Path, out: Path) -> Path:
                 tar.add(f, arcname=f.relative_to(site.resolve()).as_posix())
         raw = sum(f.stat().st_size for f in files)
     print(f"kept {len(files)} of FlashInfer {seen['version']}'s files ({raw / 2**20:.1f} MiB unpacked): "
-          f"{len(seen['modules'])} modules loaded, {len(seen['opened'])} templates read, "
-          f"{len(seen['specs'])} modules rendered")
+          f"{len(seen['modules'])} Python modules loaded, {len(seen['opened'])} package files read, "
+          f"{len(seen['specs'])} JIT modules rendered")
     return out / CUT
 
 
@@ -204,10 +236,13 @@ def check_cut(out: Path, wheels: Path) -> dict:
         work = Path(tmp)
         site = work / "cut"
         with tarfile.open(cut) as tar:
-            tar.extractall(site, filter="data")
+            _extract(tar, site)
         local = local_tvm_ffi(wheels, work)
         seen = probe(site, local, work)
         sources = [s for spec in seen["specs"] for s in spec["sources"]]
+        absent = [s for s in sources if not Path(s).is_file()]
+        if absent:
+            raise SystemExit(f"the cut lacks sources its modules compile: {absent}")
         found, missing = include_closure(sources, seen["include_dirs"])
         # The whole wheel, probed alike: a header it resolves that the cut does not is a gap.
         full = probe(unpack_wheel(pip_download(FLASHINFER, wheels), work / "full"), local, work / "full")
@@ -229,17 +264,16 @@ def check_cut(out: Path, wheels: Path) -> dict:
 # Compiles every source of every module from the cut alone, as FlashInfer's ninja build would
 # (its own compile commands), stopping before the link. Prints one JSON line.
 COMPILE = r"""
-import json, subprocess, sys, time, torch
+import json, subprocess, sys, time
 from concurrent.futures import ThreadPoolExecutor
-from flashinfer.jit.attention import gen_batch_prefill_module
+sys.path.insert(0, sys.argv[1])
+from flashinfer_cut import module_specs
 def run(cmd):
     t0 = time.perf_counter()
     done = subprocess.run(cmd["command"], shell=True, capture_output=True, text=True, cwd=cmd["directory"])
     return cmd["file"], done.returncode, done.stderr[-2000:], time.perf_counter() - t0
 cmds = []
-for dtype, head in json.loads(sys.argv[1]):
-    dt = getattr(torch, dtype)
-    spec = gen_batch_prefill_module("fa2", dt, dt, dt, torch.int32, head, head, 0, False, False, False)
+for spec in module_specs():
     spec.build_dir.mkdir(parents=True, exist_ok=True)
     cmds += spec.get_compile_commands()
 start = time.perf_counter()
@@ -264,12 +298,12 @@ def nvcc_check(out: Path, wheels: Path) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         with tarfile.open(out / CUT) as tar:
-            tar.extractall(work / "cut", filter="data")
+            _extract(tar, work / "cut")
         local = local_tvm_ffi(wheels, work)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(work / "cut"), str(local)]), "CUDA_HOME": str(home),
                "FLASHINFER_CUDA_ARCH_LIST": "9.0a", "FLASHINFER_WORKSPACE_BASE": str(work / "ws"),
                "PATH": f"{home / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
-        run = subprocess.run([sys.executable, "-c", COMPILE, json.dumps(MODULES), str(os.cpu_count() or 1)], env=env,
+        run = subprocess.run([sys.executable, "-c", COMPILE, str(FIGURES), str(os.cpu_count() or 1)], env=env,
                              capture_output=True, text=True, cwd=work)
     if run.returncode != 0:
         raise SystemExit(f"compiling the cut's modules could not start:\n{run.stderr[-3000:]}")
@@ -277,8 +311,8 @@ def nvcc_check(out: Path, wheels: Path) -> dict:
     if result["failed"]:
         raise SystemExit(f"nvcc could not compile {len(result['failed'])} source(s) from the cut: "
                          f"{result['failed'][0]['file']}\n{result['failed'][0]['stderr']}")
-    print(f"nvcc ok: {result['compiled']} sources of {len(MODULES)} modules compiled from the cut alone for sm_90a in "
-          f"{result['seconds']:.0f} s on {os.cpu_count()} cores (slowest source {result['slowest']:.0f} s)")
+    print(f"nvcc ok: {result['compiled']} sources of {len(MODULES) + 1} modules compiled from the cut alone for sm_90a "
+          f"in {result['seconds']:.0f} s on {os.cpu_count()} cores (slowest source {result['slowest']:.0f} s)")
     return result
 
 
@@ -289,34 +323,33 @@ def _shown(path: Path) -> str:
 
 
 def jit_build(dest: Path) -> dict:
-    """On the GPU: build every module (nvcc through ninja, the modules side by side, ``MAX_JOBS``
-    shared among them; ``FLASHINFER_CUDA_ARCH_LIST``) and copy each ``.so`` to
-    ``dest/<uri>/<uri>.so``, where FlashInfer's AOT lookup finds a built module."""
+    """On the GPU: build every module of :func:`module_specs` not already built (nvcc through
+    ninja, the modules side by side, ``MAX_JOBS`` shared among them; ``FLASHINFER_CUDA_ARCH_LIST``),
+    load each, and copy each library to ``dest/<name>/<name>.so``: the layout of FlashInfer's
+    ``flashinfer/data/aot``, where a later run may place them to skip the build."""
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    import torch
-    from flashinfer.jit.attention import gen_batch_prefill_module
-
     dest.mkdir(parents=True, exist_ok=True)
-    os.environ["MAX_JOBS"] = str(max(1, int(os.environ.get("MAX_JOBS", os.cpu_count() or 1)) // len(MODULES)))
-    specs = [gen_batch_prefill_module("fa2", getattr(torch, d), getattr(torch, d), getattr(torch, d), torch.int32, h, h,
-                                      0, False, False, False) for d, h in MODULES]
+    specs = module_specs()
+    os.environ["MAX_JOBS"] = str(max(1, int(os.environ.get("MAX_JOBS", os.cpu_count() or 1)) // len(specs)))
     start = time.perf_counter()
 
     def build(spec) -> dict:
-        spec.build()
+        prebuilt = spec.is_aot
+        if not prebuilt:
+            spec.build()
+        spec.load()  # the library loads (tvm_ffi), as the backend's first plan() will load it
         seconds = time.perf_counter() - start
         so = spec.get_library_path()
         (dest / spec.name).mkdir(exist_ok=True)
         shutil.copy2(so, dest / spec.name / f"{spec.name}.so")
-        print(f"built {spec.name} after {seconds:.0f} s", flush=True)
-        return {"module": spec.name, "seconds": round(seconds, 1), "so_mib": round(so.stat().st_size / 2**20, 2)}
+        print(f"{'loaded prebuilt' if prebuilt else 'built'} {spec.name} after {seconds:.0f} s", flush=True)
+        return {"module": spec.name, "prebuilt": prebuilt, "seconds": round(seconds, 1),
+                "so_mib": round(so.stat().st_size / 2**20, 2)}
 
     with ThreadPoolExecutor(len(specs)) as pool:
         built = list(pool.map(build, specs))
-    for spec in specs:
-        spec.load()  # the built library loads (tvm_ffi), as the backend's first call will
     return {"built": built, "seconds": round(time.perf_counter() - start, 1), "max_jobs": os.environ["MAX_JOBS"]}
 
 

@@ -44,7 +44,7 @@ import torch  # noqa: E402
 
 from benchmarks.timing import Timer, command  # noqa: E402
 from treespec import Tree  # noqa: E402
-from treespec.attention import flashinfer_available, flex_problem  # noqa: E402
+from treespec.attention import flashinfer_available, flashinfer_problem, flex_problem  # noqa: E402
 from treespec.machine import machine_info  # noqa: E402
 from treespec.mask import causal_mask  # noqa: E402
 from treespec.runner import ModelRunner  # noqa: E402
@@ -86,11 +86,12 @@ def random_tree(q: int, vocab: int, g: torch.Generator) -> Tree:
     return Tree(parents, torch.randperm(vocab, generator=g)[:q])
 
 
-def available_backends(device: str) -> list[str]:
+def available_backends(device: str, dtype: torch.dtype) -> list[str]:
+    """The backends that run here for a model in ``dtype`` (FlashInfer: fp16/bf16 only)."""
     names = ["torch"]
     if flex_problem(device) is None:
         names.append("flex")
-    if torch.device(device).type == "cuda" and flashinfer_available():
+    if torch.device(device).type == "cuda" and flashinfer_problem(dtype, None) is None and flashinfer_available():
         names.append("flashinfer")
     return names
 
@@ -190,7 +191,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore", message=".*past_key_values.*is deprecated")  # transformers >= 5.2x
     sizes = [int(s) for s in args.sizes.split(",")]
-    backends = args.backends.split(",") if args.backends else available_backends(args.device)
+    dtype = getattr(torch, args.dtype)
+    backends = args.backends.split(",") if args.backends else available_backends(args.device, dtype)
     if backends[0] != "torch":
         p.error("--backends must start with torch, the reference")
 

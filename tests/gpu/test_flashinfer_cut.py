@@ -1,8 +1,9 @@
 """``benchmarks/figures/flashinfer_cut.py`` (issue 47, item 5): FlashInfer's wheel cut to what
 treespec's verify forward builds on a GPU machine that fetches nothing. Made here, in a folder of
-its own: the cut imports alone, renders its FA2 batch-prefill modules, holds every header the
-whole wheel resolves for them, and with apache-tvm-ffi's wheel takes at most 16 MiB of the
-64 MiB a GPU run may bring. Fetching needs a package registry: without one the test skips and
+its own: the cut imports alone, renders the modules treespec's backend loads (the fa2 wrapper's
+batch prefill, and the quantization module its plan() packs the mask with), holds their sources
+and every header the whole wheel resolves for them, and with apache-tvm-ffi's wheel takes at
+most 16 MiB of the 64 MiB a GPU run may bring. Fetching needs a package registry: without one the test skips and
 says so."""
 
 from __future__ import annotations
@@ -28,10 +29,13 @@ def test_the_cut_imports_renders_its_modules_and_fits(tmp_path):
                     + (run.stderr + run.stdout).strip().splitlines()[-1][:300])
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(figures.read_text())
-    shapes = [(m.split("dtype_q_")[1].split("_")[0], m.split("_head_dim_qk_")[1].split("_")[0])
-              for m in result["modules"]]
+    # the modules the fa2 wrapper loads: its equal-stride prefill per dtype and head size, and the
+    # quantization module that packs the custom mask in every plan()
+    *prefill, quantization = result["modules"]
+    shapes = [(m.split("dtype_q_")[1].split("_")[0], m.split("_head_dim_qk_")[1].split("_")[0]) for m in prefill]
     assert shapes == [("bf16", "64"), ("bf16", "128"), ("f16", "64")]
-    assert result["sources"] == 30 and result["headers_in_cut"] > 100
+    assert all(m.endswith("_kv_stride_equal") for m in prefill) and quantization == "quantization"
+    assert result["sources"] == 32 and result["headers_in_cut"] > 100
     assert 1 < result["carried_mib"] <= 16
     assert sorted(p.name for p in out.iterdir()) == sorted(Path(p).name for p in result["carried_files"])
     assert any(Path(p).name.startswith("apache_tvm_ffi-") and "cp312" in p for p in result["carried_files"])

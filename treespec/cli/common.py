@@ -101,7 +101,8 @@ def add_runtime(p, *, device: str = "auto", dtype: str = "auto", pack: bool | No
         return "" if value == usual else f" (default here: {value})"
 
     p.add_argument("--backend", choices=["auto", "torch", "flex", "flashinfer"], default="auto",
-                   help="tree attention backend (auto: FlashInfer on CUDA when installed, else torch; flex: "
+                   help="tree attention backend (auto: FlashInfer on CUDA when installed and it takes the model's "
+                        "dtype and head size, else torch; flex: "
                         "PyTorch's flex_attention, compiled with triton on CUDA, nothing to install)")
     if graphs:  # not for capture, which runs the target alone
         p.add_argument("--cuda-graphs", action="store_true", help="on a CUDA GPU, replay the EAGLE head's passes "

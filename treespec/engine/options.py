@@ -55,7 +55,8 @@ class GenerationOptions:
         the token(s) that end a request (kept in the output); default the generation config's
         or the model's.""")
     attention_backend: str = _option("auto", """
-        ``"auto"`` (FlashInfer on CUDA when installed, else torch), ``"torch"``, ``"flex"``
+        ``"auto"`` (FlashInfer on CUDA when installed and the model is fp16/bf16 with a head size of
+        64, 128 or 256, else torch), ``"torch"``, ``"flex"``
         (PyTorch's flex_attention) or ``"flashinfer"``.""")
     page_size: int = _option(16, """
         tokens per page of the paged KV cache; a ``prefix_cache`` keeps the page size of its

@@ -104,7 +104,7 @@ class CaptureConfig:
     features: str = "both"  # "eagle3", "eagle1" or "both"
     model: str | None = None  # the target's name, recorded and checked on resume
     dtype: str | None = None  # as asked ("auto", "bfloat16", ...), recorded and checked on resume
-    attention_backend: str = "auto"  # the engine's (FlashInfer on CUDA when installed, else PyTorch)
+    attention_backend: str = "auto"  # the engine's (FlashInfer on CUDA where it takes the model, else PyTorch)
     options: dict | None = None  # GenerationConfig fields the target answers with ({"repetition_penalty": 1.1})
 
     def __post_init__(self):
