@@ -14,7 +14,7 @@ image lacks ``apache-tvm-ffi`` too: its wheel for the GPU's Python comes beside 
     python benchmarks/figures/flashinfer_cut.py                # fetch, cut, check: build/flashinfer/ (carry it)
     python benchmarks/figures/flashinfer_cut.py --check        # check the cut there again
     python benchmarks/figures/flashinfer_cut.py --check --nvcc-check  # also compile its sources (CUDA 13 from PyPI)
-    python benchmarks/figures/flashinfer_cut.py --jit-build DIR  # on the GPU: build the modules, .so files to DIR
+    python benchmarks/figures/flashinfer_cut.py --jit-build [--aot-tar F]  # on the GPU: build, load (and keep)
 
 Fetching uses pip (a package registry; nothing else). The check unpacks the cut alone, imports
 FlashInfer from it, renders every module's sources and follows their includes: each header found
@@ -59,28 +59,67 @@ MODULES = (("bfloat16", 64), ("bfloat16", 128), ("float16", 64))
 FIGURES = Path(__file__).resolve().parent
 
 
-def module_specs() -> list:
-    """FlashInfer's JIT specs of what treespec's backend loads (import FlashInfer first, from the
-    cut): per :data:`MODULES` entry the FA2 batch-prefill module that
-    ``BatchPrefillWithPagedKVCacheWrapper(..., backend="fa2")`` loads (its equal-stride "primary";
-    treespec's K and V caches share strides, so the lazily built independent-stride module is not
-    needed), and the quantization module whose ``segment_packbits`` packs the custom mask in
-    every ``plan()``."""
+def _prefill_args(dtype: str, head: int) -> tuple:
+    """``get_batch_prefill_module``'s arguments after the backend, as the fa2 wrapper's ``plan()``
+    passes them for treespec's calls (int32 indices, no RoPE, no window, no soft cap)."""
     import torch
-    from flashinfer.jit.attention.modules import _gen_batch_prefill_primary_module
+
+    dt = getattr(torch, dtype)
+    return dt, dt, dt, torch.int32, head, head, 0, False, False, False
+
+
+def module_specs(lazy: bool = False) -> list:
+    """FlashInfer's JIT specs of what treespec's backend builds (import FlashInfer first, from the
+    cut): per :data:`MODULES` entry the FA2 batch-prefill module the fa2 wrapper's ``plan()`` loads
+    (its equal-stride "primary"), and the quantization module whose ``segment_packbits`` packs the
+    custom mask there. ``lazy``: also the independent-stride prefill modules, which ``plan()``
+    makes a spec of (reading their sources) but builds only for K and V of different strides,
+    never treespec's (one cache tensor)."""
+    from flashinfer.jit.attention.modules import (_gen_batch_prefill_independent_paged_module,
+                                                  _gen_batch_prefill_primary_module)
     from flashinfer.jit.quantization import gen_quantization_module
 
-    specs = []
-    for dtype, head in MODULES:
-        dt = getattr(torch, dtype)
-        specs.append(_gen_batch_prefill_primary_module("fa2", dt, dt, dt, torch.int32, head, head, 0, False, False,
-                                                       False))
-    return specs + [gen_quantization_module()]
+    specs = [_gen_batch_prefill_primary_module("fa2", *_prefill_args(d, h)) for d, h in MODULES]
+    specs.append(gen_quantization_module())
+    if lazy:
+        specs += [_gen_batch_prefill_independent_paged_module("fa2", *_prefill_args(d, h)) for d, h in MODULES]
+    return specs
+
+
+def through_entry_points() -> list[str]:
+    """The names of the modules FlashInfer's own entry points build for treespec's calls, each
+    build replaced by a record (no nvcc): ``get_batch_prefill_module`` as the fa2 wrapper's
+    ``plan()`` calls it, and ``get_quantization_module`` as ``segment_packbits`` does. Every file
+    they read is read here too."""
+    from flashinfer.jit import core
+    from flashinfer.prefill import get_batch_prefill_module
+    from flashinfer.quantization.packbits import get_quantization_module
+
+    built = []
+
+    class Loaded:  # what a built module answers: anything, unused
+        def __getattr__(self, name):
+            return None
+
+    def record(spec):
+        built.append(spec.name)
+        return Loaded()
+
+    real = core.JitSpecNvcc.build_and_load
+    core.JitSpecNvcc.build_and_load = record
+    try:
+        for d, h in MODULES:
+            get_batch_prefill_module("fa2", *_prefill_args(d, h))
+        get_quantization_module()
+    finally:
+        core.JitSpecNvcc.build_and_load = real
+    return built
 
 
 # What the probe runs in a fresh interpreter with only the unpacked wheel (or cut) and tvm_ffi on
-# its path: the imports, each module's sources rendered (no build), and every file of the package
-# opened meanwhile (the templates). Prints one JSON line.
+# its path: the imports, FlashInfer's own entry points for treespec's calls (builds recorded, not
+# run), every module's sources rendered, and every file of the package opened meanwhile (the
+# templates, the sources). Prints one JSON line.
 PROBE = r"""
 import json, os, sys
 root = sys.argv[1]
@@ -95,14 +134,15 @@ import torch, flashinfer
 from flashinfer.prefill import BatchPrefillWithPagedKVCacheWrapper  # noqa: F401
 from flashinfer.jit import cpp_ext
 sys.path.insert(0, sys.argv[2])
-from flashinfer_cut import module_specs
-specs = [{"name": spec.name, "sources": [str(s) for s in spec.sources]} for spec in module_specs()]
+from flashinfer_cut import module_specs, through_entry_points
+built = through_entry_points()
+specs = [{"name": spec.name, "sources": [str(s) for s in spec.sources]} for spec in module_specs(lazy=True)]
 flags = cpp_ext.build_common_cflags("/nonexistent-cuda")
 dirs = [f.split(None, 1)[-1].removeprefix("-I") for f in flags if f.startswith(("-I", "-isystem"))]
 modules = sorted({os.path.realpath(m.__file__) for m in list(sys.modules.values())
                   if getattr(m, "__file__", None) and os.path.realpath(m.__file__).startswith(root)})
-print(json.dumps({"version": flashinfer.__version__, "specs": specs, "include_dirs": dirs, "modules": modules,
-                  "opened": sorted(opened)}))
+print(json.dumps({"version": flashinfer.__version__, "specs": specs, "built": built, "include_dirs": dirs,
+                  "modules": modules, "opened": sorted(opened)}))
 """
 
 INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', re.M)
@@ -228,8 +268,10 @@ def build_cut(wheels: Path, out: Path) -> Path:
 
 
 def check_cut(out: Path, wheels: Path) -> dict:
-    """Unpack the cut alone and probe it: FlashInfer imports, every module renders, and every
-    header the whole wheel resolves resolves in the cut. Returns the figures; raises on a gap."""
+    """Unpack the cut alone and probe it: FlashInfer imports, its entry points for treespec's calls
+    run (builds recorded) and ask for exactly :func:`module_specs`, every module renders with its
+    sources there, and every header the whole wheel resolves resolves in the cut. Returns the
+    figures; raises on a gap."""
     cut = out / CUT
     carried = sorted(out.iterdir())
     with tempfile.TemporaryDirectory() as tmp:
@@ -239,6 +281,9 @@ def check_cut(out: Path, wheels: Path) -> dict:
             _extract(tar, site)
         local = local_tvm_ffi(wheels, work)
         seen = probe(site, local, work)
+        built = [spec["name"] for spec in seen["specs"]][:len(seen["built"])]
+        if seen["built"] != built:
+            raise SystemExit(f"FlashInfer's entry points build {seen['built']}, not module_specs()'s {built}")
         sources = [s for spec in seen["specs"] for s in spec["sources"]]
         absent = [s for s in sources if not Path(s).is_file()]
         if absent:
@@ -251,10 +296,12 @@ def check_cut(out: Path, wheels: Path) -> dict:
     if gaps:
         raise SystemExit(f"the cut lacks headers the whole wheel has: {sorted(gaps)[:20]}")
     mib = sum(p.stat().st_size for p in carried) / 2**20
-    result = {"version": seen["version"], "modules": [s["name"] for s in seen["specs"]],
+    result = {"version": seen["version"], "modules": seen["built"],
+              "lazy_modules": [spec["name"] for spec in seen["specs"]][len(seen["built"]):],
               "sources": len(sources), "headers_in_cut": len(found), "headers_outside": sorted(missing),
               "carried_files": [_shown(p) for p in carried], "carried_mib": round(mib, 2)}
-    print(f"cut ok: FlashInfer {seen['version']} imports from the cut and renders {len(seen['specs'])} modules "
+    print(f"cut ok: FlashInfer {seen['version']} imports from the cut, its entry points ask for the "
+          f"{len(seen['built'])} modules treespec builds, {len(seen['specs'])} modules render with the lazy ones "
           f"({len(sources)} sources); {len(found)} headers found in the cut, {len(missing)} left to CUDA, the "
           f"compiler and Python (e.g. {', '.join(sorted(missing)[:4])}); carried: {mib:.1f} MiB "
           f"({', '.join(result['carried_files'])}; limit {LIMIT_MIB} MiB)")
@@ -322,35 +369,37 @@ def _shown(path: Path) -> str:
     return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
 
 
-def jit_build(dest: Path) -> dict:
-    """On the GPU: build every module of :func:`module_specs` not already built (nvcc through
-    ninja, the modules side by side, ``MAX_JOBS`` shared among them; ``FLASHINFER_CUDA_ARCH_LIST``),
-    load each, and copy each library to ``dest/<name>/<name>.so``: the layout of FlashInfer's
-    ``flashinfer/data/aot``, where a later run may place them to skip the build."""
+def jit_build(tar: Path | None) -> dict:
+    """On the GPU: build every module of :func:`module_specs` not already built (one ninja over all
+    their sources, ``MAX_JOBS`` jobs; ``FLASHINFER_CUDA_ARCH_LIST``), then load them through
+    FlashInfer's own entry points, as the backend's first ``plan()`` will. With ``tar``, write the
+    modules built here into it as ``<name>/<name>.so``: the layout of ``flashinfer/data/aot``, where
+    a later run may place them to skip the build."""
     import time
-    from concurrent.futures import ThreadPoolExecutor
 
-    dest.mkdir(parents=True, exist_ok=True)
+    from flashinfer.jit.core import build_jit_specs
+    from flashinfer.prefill import get_batch_prefill_module
+    from flashinfer.quantization.packbits import get_quantization_module
+
     specs = module_specs()
-    os.environ["MAX_JOBS"] = str(max(1, int(os.environ.get("MAX_JOBS", os.cpu_count() or 1)) // len(specs)))
+    prebuilt = [spec.name for spec in specs if spec.is_aot]
     start = time.perf_counter()
-
-    def build(spec) -> dict:
-        prebuilt = spec.is_aot
-        if not prebuilt:
-            spec.build()
-        spec.load()  # the library loads (tvm_ffi), as the backend's first plan() will load it
-        seconds = time.perf_counter() - start
-        so = spec.get_library_path()
-        (dest / spec.name).mkdir(exist_ok=True)
-        shutil.copy2(so, dest / spec.name / f"{spec.name}.so")
-        print(f"{'loaded prebuilt' if prebuilt else 'built'} {spec.name} after {seconds:.0f} s", flush=True)
-        return {"module": spec.name, "prebuilt": prebuilt, "seconds": round(seconds, 1),
-                "so_mib": round(so.stat().st_size / 2**20, 2)}
-
-    with ThreadPoolExecutor(len(specs)) as pool:
-        built = list(pool.map(build, specs))
-    return {"built": built, "seconds": round(time.perf_counter() - start, 1), "max_jobs": os.environ["MAX_JOBS"]}
+    build_jit_specs(specs)  # skips the prebuilt ones
+    built_seconds = time.perf_counter() - start
+    for d, h in MODULES:
+        get_batch_prefill_module("fa2", *_prefill_args(d, h))
+    get_quantization_module()
+    fresh = [spec for spec in specs if spec.name not in prebuilt]
+    if tar is not None and fresh:
+        with tarfile.open(tar, "w") as out:
+            for spec in fresh:
+                out.add(spec.jit_library_path, arcname=f"{spec.name}/{spec.name}.so")
+    result = {"built": [s.name for s in fresh], "prebuilt": prebuilt, "build_seconds": round(built_seconds, 1),
+              "seconds": round(time.perf_counter() - start, 1), "max_jobs": os.environ.get("MAX_JOBS"),
+              "so_mib": {s.name: round(s.jit_library_path.stat().st_size / 2**20, 2) for s in fresh}}
+    print(f"built {len(fresh)} modules in {built_seconds:.0f} s, loaded {len(specs)} through FlashInfer's entry points "
+          f"({len(prebuilt)} prebuilt)", flush=True)
+    return result
 
 
 def main(argv=None) -> int:
@@ -359,14 +408,16 @@ def main(argv=None) -> int:
     p.add_argument("--wheels", type=Path, default=WHEELS,
                    help="where fetched wheels are kept (default build/flashinfer-wheels)")
     p.add_argument("--check", action="store_true", help="only check the cut already in --out")
-    p.add_argument("--jit-build", type=Path, default=None, metavar="DIR",
-                   help="on a GPU machine, with the cut on PYTHONPATH: build the modules, .so files to DIR")
+    p.add_argument("--jit-build", action="store_true",
+                   help="on a GPU machine, with the cut on PYTHONPATH: build the modules and load them")
+    p.add_argument("--aot-tar", type=Path, default=None,
+                   help="with --jit-build: the modules built, as <name>/<name>.so in this tar file")
     p.add_argument("--nvcc-check", action="store_true",
                    help="also compile every module's sources from the cut (nvcc from PyPI, no GPU needed)")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = p.parse_args(argv)
-    if args.jit_build is not None:
-        result = jit_build(args.jit_build)
+    if args.jit_build:
+        result = jit_build(args.aot_tar)
     else:
         if not args.check:
             build_cut(args.wheels, args.out)

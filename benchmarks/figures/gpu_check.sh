@@ -9,9 +9,9 @@
 #   1b. FlashInfer, when its cut is carried (build/flashinfer/, made here by
 #      benchmarks/figures/flashinfer_cut.py; `carry: ["build/flashinfer"]`): unpacked with its
 #      apache-tvm-ffi wheel into /tmp/treespec-fi, the modules treespec's backend loads JIT-built
-#      (MAX_JOBS, FLASHINFER_CUDA_ARCH_LIST=9.0a; FI_LIMIT seconds, 100) and their .so files
-#      copied to $OUT/flashinfer-aot/ (put them in build/flashinfer/aot/ to skip the build next
-#      time); the later steps then import it;
+#      (MAX_JOBS, FLASHINFER_CUDA_ARCH_LIST=9.0a; FI_LIMIT seconds, 100) and loaded through its
+#      own entry points (FI_RETURN=1: the built modules back as $OUT/flashinfer-aot.tar, for
+#      build/flashinfer/aot/ next time); the later steps import it only when this succeeded;
 #   2. the verify cost curve and a logits check on a model of Llama-3.1-8B's shape (hidden 4096,
 #      32 layers, 32 heads, 8 KV heads, vocab 128256) with random weights built on the GPU in
 #      bf16: one forward of a random tree of q = 1 .. 128 tokens after 1,536 cached tokens,
@@ -26,7 +26,7 @@
 #      each test is named as it ends, so a step that runs out of time shows where.
 # Results, under $OUT if set, else benchmarks/results/gpu/: gpu_check.json (environment and
 # each step's exit status and time), verify_cost.json and .txt, draft_step.json and .txt,
-# cuda-tests.txt.
+# cuda-tests.txt (with FlashInfer's cut: flashinfer_build.json, and flashinfer-aot.tar with FI_RETURN=1).
 #
 #   bash benchmarks/figures/gpu_check.sh             # on the GPU machine
 #   bash benchmarks/figures/gpu_check.sh --dry-run   # anywhere, no GPU: checks that it assembles
@@ -90,13 +90,16 @@ limit = float(sys.argv[1])
 print(f"carried: {mib:.1f} MiB in {len(size)} files (the working tree as it is brought to the GPU machine; "
       f"limit {limit:.0f} MiB); of which the check needs {needed / 2**20:.1f} MiB "
       f"(treespec/, tests/, benchmarks/timing.py and the three scripts)")
+if os.path.isdir("build/flashinfer"):  # FlashInfer's cut, carried beside the tree (carry: build/flashinfer)
+    cut = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk("build/flashinfer") for f in fs) / 2**20
+    mib += cut
+    print(f"with FlashInfer's cut (build/flashinfer, {cut:.1f} MiB): {mib:.1f} MiB")
 if mib > limit:
     print(f"FAIL: {mib:.1f} MiB is over the {limit:.0f} MiB that can be brought to the GPU machine")
     sys.exit(1)
 EOF
   if [ -f "$FI_CUT" ]; then
-    fi_mib=$(du -cm build/flashinfer | tail -1 | cut -f1)
-    echo "ok: the FlashInfer cut is here (build/flashinfer, about $fi_mib MiB beside the tree): carry build/flashinfer"
+    echo "ok: the FlashInfer cut is here: carry build/flashinfer"
   else
     echo "note: no FlashInfer cut (python benchmarks/figures/flashinfer_cut.py makes it): a run tests without it"
   fi
@@ -117,8 +120,9 @@ run_step() {  # run_step NAME LIMIT COMMAND...: time-limited, exit status record
   echo "== $name: exit $rc after $(( $(date +%s) - start )) s (limit $limit s)"
 }
 
-# 1b. FlashInfer from its carried cut, its modules built before anything imports it (modules built
-# by an earlier run, carried as build/flashinfer/aot/<name>/<name>.so, are loaded, not rebuilt).
+# 1b. FlashInfer from its carried cut, its modules built and loaded before anything imports it
+# (modules of an earlier run, carried as build/flashinfer/aot/<name>/<name>.so, load without a
+# build); the later steps see FlashInfer only when this step succeeded.
 if [ -f "$FI_CUT" ] && [ "$DEVICE" = cuda ] \
     && "$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
   FI=/tmp/treespec-fi
@@ -127,10 +131,15 @@ if [ -f "$FI_CUT" ] && [ "$DEVICE" = cuda ] \
       && "$PY" -m pip install -q --upgrade --no-index --no-deps --no-compile --target "$FI/site" "$tvm"; then
     [ -d build/flashinfer/aot ] && mkdir -p "$FI/site/flashinfer/data/aot" \
       && cp -r build/flashinfer/aot/. "$FI/site/flashinfer/data/aot/"
-    export PYTHONPATH="$PYTHONPATH:$FI/site" FLASHINFER_WORKSPACE_BASE="$FI/ws" \
-           FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-16}
-    run_step flashinfer "$FI_LIMIT" bash -c "set -o pipefail; '$PY' benchmarks/figures/flashinfer_cut.py \
-      --jit-build '$OUT/flashinfer-aot' --json '$OUT/flashinfer_build.json' 2>&1 | tee '$OUT/flashinfer_build.txt'"
+    fi_env=(PYTHONPATH="$PYTHONPATH:$FI/site" FLASHINFER_WORKSPACE_BASE="$FI/ws"
+            FLASHINFER_CUDA_ARCH_LIST="${FLASHINFER_CUDA_ARCH_LIST:-9.0a}" MAX_JOBS="${MAX_JOBS:-16}")
+    # FI_RETURN=1: the modules built come back as one tar ($OUT's files are few): untar it into
+    # build/flashinfer/aot/ for the next run
+    run_step flashinfer "$FI_LIMIT" env "${fi_env[@]}" "$PY" benchmarks/figures/flashinfer_cut.py --jit-build \
+      --json "$OUT/flashinfer_build.json" ${FI_RETURN:+--aot-tar "$OUT/flashinfer-aot.tar"}
+    read -r _ fi_rc _ <<< "${steps[-1]}"
+    [ "$fi_rc" = 0 ] && export "${fi_env[@]}" \
+      || echo "FlashInfer's modules did not build and load: the later steps run without FlashInfer"
   else
     echo "FAIL: unpacking the FlashInfer cut ($FI_CUT, ${tvm:-no apache-tvm-ffi wheel}): the run goes on without it"
     steps+=("flashinfer 1 0 $FI_LIMIT")
