@@ -131,7 +131,6 @@ def hook(event, args):
             opened.add(p)
 sys.addaudithook(hook)
 import torch, flashinfer
-from flashinfer.prefill import BatchPrefillWithPagedKVCacheWrapper  # noqa: F401
 from flashinfer.jit import cpp_ext
 sys.path.insert(0, sys.argv[2])
 from flashinfer_cut import module_specs, through_entry_points
@@ -181,6 +180,11 @@ def probe(site: Path, tvm_site: Path, workspace: Path) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
+def _sources(seen: dict) -> list[str]:
+    """Every source of every module a :func:`probe` rendered."""
+    return [s for spec in seen["specs"] for s in spec["sources"]]
+
+
 def include_closure(sources: list[str], dirs: list[str]) -> tuple[set[str], set[str]]:
     """``(files found, names not found)``: every header the sources include, transitively, each
     looked up as the compiler would (a quoted name beside its includer first, then ``dirs``)."""
@@ -225,27 +229,29 @@ def local_tvm_ffi(wheels: Path, work: Path) -> Path:
     return work / "local"
 
 
-def kept_files(site: Path, seen: dict) -> list[Path]:
-    """What the cut keeps of the unpacked wheel ``site``: the loaded modules' packages' Python
-    files, the dist-info, the templates opened, the headers included and the vendored CCCL."""
+def kept_files(site: Path, seen: dict) -> tuple[list[Path], set[str]]:
+    """What the cut keeps of the unpacked wheel ``site`` (the loaded modules' packages' Python
+    files, the dist-info, the templates opened, the headers included and the vendored CCCL), and
+    the headers the wheel leaves unresolved."""
     root = site.resolve()
     packages = {Path(m).parent for m in seen["modules"]}
     keep = {p for d in packages for p in d.glob("*.py")}
     keep |= {p for p in root.glob("flashinfer_python-*.dist-info/*") if p.name != "RECORD"}
     keep |= {Path(p) for p in seen["opened"] if Path(p).is_file()}
-    sources = [s for spec in seen["specs"] for s in spec["sources"]]
-    found, _ = include_closure(sources, seen["include_dirs"])
+    sources = _sources(seen)
+    found, outside = include_closure(sources, seen["include_dirs"])
     # the headers, and the sources the package ships as they are (the quantization module's)
     keep |= {Path(p) for p in [*found, *sources] if p.startswith(str(root))}
     # CCCL whole: CUDA's own headers (cooperative_groups.h, ...) include <cuda/std/...>, which the
     # vendored CCCL, first on the include path, must answer, not half of it with CUDA's copy.
     keep |= set((root / "flashinfer" / "data" / "cccl").rglob("*"))
-    return sorted(p for p in keep if p.is_file())
+    return sorted(p for p in keep if p.is_file()), outside
 
 
-def build_cut(wheels: Path, out: Path) -> Path:
+def build_cut(wheels: Path, out: Path) -> set[str]:
     """Fetch both wheels into ``wheels``, cut FlashInfer's, write ``out/flashinfer-cut.tar.gz``
-    beside apache-tvm-ffi's wheel for the GPU's Python; returns the cut."""
+    beside apache-tvm-ffi's wheel for the GPU's Python; returns the headers the whole wheel leaves
+    unresolved (:func:`check_cut`'s ``outside``)."""
     wheel = pip_download(FLASHINFER, wheels)
     out.mkdir(parents=True, exist_ok=True)
     tvm = pip_download(TVM_FFI, wheels, *gpu_wheel_args())
@@ -256,7 +262,7 @@ def build_cut(wheels: Path, out: Path) -> Path:
         work = Path(tmp)
         site = unpack_wheel(wheel, work / "site")
         seen = probe(site, local_tvm_ffi(wheels, work), work)
-        files = kept_files(site, seen)
+        files, outside = kept_files(site, seen)
         with tarfile.open(out / CUT, "w:gz", compresslevel=9) as tar:
             for f in files:
                 tar.add(f, arcname=f.relative_to(site.resolve()).as_posix())
@@ -264,14 +270,15 @@ def build_cut(wheels: Path, out: Path) -> Path:
     print(f"kept {len(files)} of FlashInfer {seen['version']}'s files ({raw / 2**20:.1f} MiB unpacked): "
           f"{len(seen['modules'])} Python modules loaded, {len(seen['opened'])} package files read, "
           f"{len(seen['specs'])} JIT modules rendered")
-    return out / CUT
+    return outside
 
 
-def check_cut(out: Path, wheels: Path) -> dict:
+def check_cut(out: Path, wheels: Path, outside: set[str] | None = None) -> dict:
     """Unpack the cut alone and probe it: FlashInfer imports, its entry points for treespec's calls
     run (builds recorded) and ask for exactly :func:`module_specs`, every module renders with its
-    sources there, and every header the whole wheel resolves resolves in the cut. Returns the
-    figures; raises on a gap."""
+    sources there, and every header the whole wheel resolves resolves in the cut (``outside``:
+    the headers the whole wheel leaves unresolved, when :func:`build_cut` just found them).
+    Returns the figures; raises on a gap."""
     cut = out / CUT
     carried = sorted(out.iterdir())
     with tempfile.TemporaryDirectory() as tmp:
@@ -284,14 +291,15 @@ def check_cut(out: Path, wheels: Path) -> dict:
         built = [spec["name"] for spec in seen["specs"]][:len(seen["built"])]
         if seen["built"] != built:
             raise SystemExit(f"FlashInfer's entry points build {seen['built']}, not module_specs()'s {built}")
-        sources = [s for spec in seen["specs"] for s in spec["sources"]]
+        sources = _sources(seen)
         absent = [s for s in sources if not Path(s).is_file()]
         if absent:
             raise SystemExit(f"the cut lacks sources its modules compile: {absent}")
         found, missing = include_closure(sources, seen["include_dirs"])
         # The whole wheel, probed alike: a header it resolves that the cut does not is a gap.
-        full = probe(unpack_wheel(pip_download(FLASHINFER, wheels), work / "full"), local, work / "full")
-        _, outside = include_closure([s for spec in full["specs"] for s in spec["sources"]], full["include_dirs"])
+        if outside is None:
+            full = probe(unpack_wheel(pip_download(FLASHINFER, wheels), work / "full"), local, work / "full")
+            _, outside = include_closure(_sources(full), full["include_dirs"])
     gaps = missing - outside
     if gaps:
         raise SystemExit(f"the cut lacks headers the whole wheel has: {sorted(gaps)[:20]}")
@@ -419,9 +427,8 @@ def main(argv=None) -> int:
     if args.jit_build:
         result = jit_build(args.aot_tar)
     else:
-        if not args.check:
-            build_cut(args.wheels, args.out)
-        result = check_cut(args.out, args.wheels)
+        outside = None if args.check else build_cut(args.wheels, args.out)
+        result = check_cut(args.out, args.wheels, outside)
         if args.nvcc_check:
             result["nvcc"] = nvcc_check(args.out, args.wheels)
         if result["carried_mib"] > LIMIT_MIB:
