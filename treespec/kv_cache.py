@@ -22,6 +22,8 @@ the first positions of an empty sequence.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = ["PagedKVCache", "CacheFullError", "as_slice"]
@@ -64,13 +66,16 @@ class PagedKVCache:
         # One tensor for all layers, so that moving a sequence's entries (commit) is one indexed
         # copy, not one per layer; ``k[layer]`` and ``v[layer]`` are views of it, the layout the
         # backends read (tuples: the storage is fixed, a layer cannot be swapped for another).
-        # ``storage``: an earlier cache's (:attr:`storage`), zeroed and used if it has this one's
-        # shape, dtype and device (see ModelRunner.release_cache); else a new one.
-        fits = (storage is not None and tuple(storage.shape) == (2, *shape) and storage.dtype == dtype
+        # ``storage``: an earlier cache's (:attr:`storage`), taken when it holds at least this
+        # one's elements, of its dtype and device: its first elements are zeroed and used (see
+        # ModelRunner.release_cache); else a new one.
+        need = 2 * math.prod(shape)
+        fits = (storage is not None and storage.dim() == 1 and storage.numel() >= need and storage.dtype == dtype
                 and storage.device == torch.device(device)
                 # one made under inference_mode can be written only there
                 and (torch.is_inference_mode_enabled() or not storage.is_inference()))
-        self._kv = storage.zero_() if fits else torch.zeros((2, *shape), dtype=dtype, device=device)
+        self._storage = storage if fits else torch.empty(need, dtype=dtype, device=device)
+        self._kv = self._storage[:need].view(2, *shape).zero_()
         self.k = tuple(self._kv[0][layer] for layer in range(num_layers))
         self.v = tuple(self._kv[1][layer] for layer in range(num_layers))
         self._flat = [(k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])) for k, v in zip(self.k, self.v)]
@@ -124,7 +129,13 @@ class PagedKVCache:
 
     @property
     def storage(self) -> torch.Tensor:
-        """The one tensor holding every layer's K/V, ``[2, layers, pages, page_size, Hkv, D]``."""
+        """The flat tensor whose first elements hold every layer's K/V (:attr:`kv`): what a
+        later cache of this size or smaller can be made on (``storage=``)."""
+        return self._storage
+
+    @property
+    def kv(self) -> torch.Tensor:
+        """Every layer's K/V, ``[2, layers, pages, page_size, Hkv, D]``."""
         return self._kv
 
     @classmethod
@@ -134,7 +145,7 @@ class PagedKVCache:
                   ) -> tuple["PagedKVCache", list[int]]:
         """A cache of ``count`` sequences in one block of rows of ``tokens`` positions each
         (:meth:`add_sequences`), plus a spare page per sequence; returns it and the sequences.
-        ``storage``: an earlier cache's, reused when it has this one's shape."""
+        ``storage``: an earlier cache's, reused when it is at least this one's size."""
         pages = max(1, -(-int(tokens) // page_size))
         cache = cls(num_layers, num_kv_heads, head_dim, count * (pages + 1), page_size, dtype, device, storage)
         return cache, cache.add_sequences(count, tokens)

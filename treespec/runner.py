@@ -53,7 +53,7 @@ class ForwardOutput:
     features: list[torch.Tensor] | None
 
 
-# model -> the storage of its last released cache (ModelRunner.release_cache), CPU only
+# model -> the largest storage of its released caches (ModelRunner.release_cache), CPU only
 _SPARE_KV: "weakref.WeakKeyDictionary[torch.nn.Module, torch.Tensor]" = weakref.WeakKeyDictionary()
 
 
@@ -106,19 +106,24 @@ class ModelRunner:
 
     def new_rows_cache(self, count: int, tokens: int, page_size: int = 16) -> tuple[PagedKVCache, list[int]]:
         """A cache for a batch: ``count`` sequences in equal rows of ``tokens`` positions, read
-        as a view by the torch backend (:meth:`PagedKVCache.with_rows`); on the storage of the
-        last cache :meth:`release_cache` was given when it has this shape (zeroed again)."""
+        as a view by the torch backend (:meth:`PagedKVCache.with_rows`); on the storage that
+        :meth:`release_cache` kept when it is large enough (the part used zeroed again)."""
         spare = _SPARE_KV.pop(self.model, None)
         return PagedKVCache.with_rows(self.num_layers, self.num_kv_heads, self.head_dim, count, tokens, page_size,
                                       kv_dtype(self.dtype, self.device), self.device, storage=spare)
 
     def release_cache(self, cache: PagedKVCache) -> None:
-        """``cache`` is no longer used: on a CPU, keep its storage (one per model, while the model
-        lives) for the next :meth:`new_rows_cache` of its shape. A fresh allocation pays for every
-        page the first time it is written: zeroing a new 2,048-position cache of SmolLM2-135M
-        (95 MB in fp32) took 124 ms on a 2-core Intel Xeon, a tenth of a 128-token answer, where
-        zeroing a reused one is a memory write. (CUDA's caching allocator reuses memory already.)"""
-        if cache.device.type == "cpu":
+        """``cache`` is no longer used: on a CPU, keep its storage (one per model, the largest
+        given back, while the model lives) for the next :meth:`new_rows_cache` it can hold. A
+        fresh allocation pays for every page the first time it is written: zeroing a new
+        2,048-position cache of SmolLM2-135M (95 MB in fp32) took 124 ms on a 2-core Intel
+        Xeon, a tenth of a 128-token answer, where zeroing a reused one is a memory write; a
+        compiled call's 2,048-position row, made again after an eager call of a shorter one,
+        took 360-490 ms there. (CUDA's caching allocator reuses memory already.)"""
+        if cache.device.type != "cpu":
+            return
+        kept = _SPARE_KV.get(self.model)
+        if kept is None or kept.numel() <= cache.storage.numel():
             _SPARE_KV[self.model] = cache.storage
 
     def kv_layout(self) -> dict:

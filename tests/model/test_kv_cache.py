@@ -355,17 +355,26 @@ def test_with_rows_builds_a_block_with_a_spare_page_each():
     assert cache.block_rows(seqs, 12) == (0, 12, [0, 1, 2]) and cache.block_rows(seqs, 13) is None
 
 
-def test_a_reused_storage_starts_zeroed_and_a_mismatched_one_is_not_taken():
-    dirty = torch.full((2, 2, 3, 4, 1, 8), float("nan"))
+def test_a_reused_storage_starts_zeroed_where_used_and_a_smaller_one_is_not_taken():
+    need = 2 * 2 * 3 * 4 * 1 * 8  # K and V, 2 layers, 3 pages of 4 positions, 1 head of 8
+    dirty = torch.full((need,), float("nan"))
     cache, _ = PagedKVCache.with_rows(2, 1, 8, 1, 8, page_size=4, storage=dirty)
     assert cache.storage is dirty and not dirty.isnan().any() and not dirty.any()
-    other, _ = PagedKVCache.with_rows(2, 1, 8, 1, 12, page_size=4, storage=torch.full((2, 2, 3, 4, 1, 8), 1.0))
-    assert other.storage.shape == (2, 2, 4, 4, 1, 8) and not other.storage.any()
+    assert cache.kv.shape == (2, 2, 3, 4, 1, 8) and cache.kv.data_ptr() == dirty.data_ptr()
+    # a larger storage serves a smaller cache: the part it uses is zeroed, the rest left alone
+    larger = torch.full((need + 10,), 1.0)
+    small, _ = PagedKVCache.with_rows(2, 1, 8, 1, 8, page_size=4, storage=larger)
+    assert small.storage is larger and not small.kv.any() and (larger[need:] == 1.0).all()
+    other, _ = PagedKVCache.with_rows(2, 1, 8, 1, 12, page_size=4, storage=torch.full((need,), 1.0))
+    assert other.kv.shape == (2, 2, 4, 4, 1, 8) and other.storage.numel() == 2 * 2 * 4 * 4 * 8 and not other.kv.any()
+    wrong_dtype, _ = PagedKVCache.with_rows(2, 1, 8, 1, 8, page_size=4, storage=torch.ones(need, dtype=torch.float64))
+    assert wrong_dtype.storage.dtype == torch.float32 and not wrong_dtype.kv.any()
 
 
 def test_generate_hands_its_cache_storage_to_the_next_call():
     """The loop's cache goes back to the model's runner at the end of a call, and the next call
-    of the same shape takes it (no fresh allocation to fault in); the tokens are the same."""
+    that fits in it takes it (no fresh allocation to fault in); the tokens are the same. A larger
+    call's storage replaces it, and serves the smaller calls after it."""
     import treespec
     from treespec import runner as runner_mod
 
@@ -376,8 +385,11 @@ def test_generate_hands_its_cache_storage_to_the_next_call():
     second = treespec.generate(model, "ngram", "chain-3", prompt, max_new_tokens=12)
     assert runner_mod._SPARE_KV[model] is spare  # taken by the second call, and given back at its end
     assert first.sequences == second.sequences
-    treespec.generate(model, "ngram", "chain-3", prompt + [2] * 40, max_new_tokens=12)  # another shape
-    assert runner_mod._SPARE_KV[model] is not spare
+    treespec.generate(model, "ngram", "chain-3", prompt + [2] * 40, max_new_tokens=12)  # a larger one
+    larger = runner_mod._SPARE_KV[model]
+    assert larger is not spare and larger.numel() > spare.numel()
+    third = treespec.generate(model, "ngram", "chain-3", prompt, max_new_tokens=12)
+    assert runner_mod._SPARE_KV[model] is larger and third.sequences == first.sequences
 
 
 def test_a_storage_made_under_inference_mode_is_reused_only_there():
