@@ -22,6 +22,7 @@ the linear weights while they exist. CPU only, fp32 and bf16 (bf16 where oneDNN 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -36,6 +37,24 @@ log = logging.getLogger(__name__)
 
 #: rows a verify forward typically runs; oneDNN chooses its blocked layout for this M.
 DEFAULT_BATCH_HINT = 16
+
+# Set by :func:`dense_in_compiled_graphs`: a graph traced meanwhile reads a PackedLinear's dense weight
+_DENSE_IN_GRAPHS = False
+
+
+@contextlib.contextmanager
+def dense_in_compiled_graphs():
+    """While a function is compiled inside this, a :class:`PackedLinear` it traces is the plain
+    product on the layer's dense weight, not the opaque call on the packed one: with the weights
+    frozen (:func:`treespec.compiled.cpu_options`) inductor then generates the product itself
+    (its C++ GEMM templates), which for the draft head's small products is faster than oneDNN's
+    call (docs/runtime.md, "Fixed-shape verify")."""
+    global _DENSE_IN_GRAPHS
+    previous, _DENSE_IN_GRAPHS = _DENSE_IN_GRAPHS, True
+    try:
+        yield
+    finally:
+        _DENSE_IN_GRAPHS = previous
 
 
 @functools.cache
@@ -93,6 +112,8 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
         if torch.compiler.is_compiling():  # an opaque call for inductor, the packed weight an input
+            if _DENSE_IN_GRAPHS:
+                return nn.functional.linear(x, self.weight, self.bias)
             return packed_linear(x, self.packed, self.bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 

@@ -309,3 +309,58 @@ def test_compiled_passes_draft_the_eager_trees(eagle_ckpts, fixed_shapes, lookup
         recs.append([[(t.tokens.tolist(), t.parents.tolist()) for t in trees] for trees, _ in rec.trees])
     assert len(recs[0]) > 3 and recs[0] == recs[1]
     assert compiled.graphed_row.passes.passes and eager.graphed_row.passes is None  # the compiled ones ran
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_cpu_passes_multiply_on_the_dense_weights_inductor_freezes(eagle_ckpts, dtype):
+    """Compiled on a CPU, a head pass's products are inductor's own on the head's weights frozen
+    into the graph (``treespec.compiled.cpu_options``), also where the head runs on oneDNN-packed
+    weights (``PackedLinears``: no opaque ``packed_linear`` call in the graph); its states and
+    log-probabilities are the eager pass's up to rounding."""
+    from torch._inductor.utils import run_and_get_code
+
+    from treespec.drafters.graphs import StaticPasses
+    from treespec.packing import PackedLinears, onednn_packs
+
+    if not onednn_packs(dtype):
+        pytest.skip(f"oneDNN does not pack {dtype} weights on this CPU")
+    torch._dynamo.reset()
+    model = copy.deepcopy(eagle_target("eagle3")).to(dtype)  # the shared target stays as it is
+    drafter = treespec.load_draft(eagle_ckpts("eagle3")[0], model)
+    s = start_session(drafter, model, [[1, 2, 3]], [4], TreeConfig.chain(3))
+    tokens, positions = torch.tensor([1, 2, 5]), torch.tensor([3, 4, 4])
+    hidden = torch.randn(3, H, generator=torch.Generator().manual_seed(0)).to(dtype)
+    mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    eager = StaticPasses.over_row(drafter.head, s.cache, s.seq[0], False, 8).run(tokens, hidden, positions, mask, 3)
+    with PackedLinears(model, drafter.head):
+        passes = StaticPasses.over_row(drafter.head, s.cache, s.seq[0], False, 8, compile=True)
+        compiled, code = run_and_get_code(passes.run, tokens, hidden, positions, mask, 3)
+    src = "\n".join(code)
+    assert code and "packed_linear" not in src
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    for got, want in zip(compiled, eager):
+        assert (got.float() - want.float()).abs().max() <= tol * max(1.0, want.float().abs().max())
+
+
+def test_compiled_passes_follow_head_weights_changed_in_place(eagle_ckpts):
+    """A compiled CPU pass holds the head's weights frozen into its graph: a change made in
+    place (an optimizer's step, say) gives the next session passes compiled again, whose
+    log-probabilities are the changed head's, not the old graph's."""
+    from treespec.drafters.graphs import StaticPasses
+
+    torch._dynamo.reset()
+    model = eagle_target("eagle3")
+    drafter = treespec.load_draft(eagle_ckpts("eagle3")[0], model, compile_passes=True)
+    first = start_session(drafter, model, [[1, 2, 3]], [4], TreeConfig.chain(3))
+    old = first.static
+    first.finish(0)
+    with torch.no_grad():
+        drafter.head.lm_head.weight.mul_(-1.0)  # same tensor, same address: only its version moves
+    second = start_session(drafter, model, [[1, 2, 3]], [4], TreeConfig.chain(3))
+    assert second.static is not old
+    args = (torch.tensor([1, 2]), torch.randn(2, H, generator=torch.Generator().manual_seed(1)),
+            torch.tensor([4, 5]), torch.ones(2, 2, dtype=torch.bool).tril(), 4)
+    with torch.inference_mode():  # as the engine runs them (the row's buffers are inference tensors)
+        got = second.static.run(*args)
+        want = StaticPasses.over_row(drafter.head, second.cache, second.seq[0], False, 8).run(*args)
+    assert (got[1] - want[1]).abs().max() <= 1e-4

@@ -44,8 +44,8 @@ class EagleDrafter(Drafter):
     on fixed shapes and replay each shape from a CUDA graph captured on its first use and kept
     for the next requests (:mod:`treespec.drafters.graphs`); batches of several requests run
     eagerly. ``compile_passes``: the same fixed-shape passes through ``torch.compile`` instead
-    (any device; two graphs serve every pass size, compiled before the first step; the head's
-    weights inputs of the graph).
+    (any device; two graphs serve every pass size, compiled before the first step; on a CPU the
+    head's weights frozen into them, compiled again when they change).
     """
 
     def __init__(self, head: EagleHead, attention_backend: str = "auto", page_size: int = 16,

@@ -23,14 +23,18 @@ the session: a drafter keeps one :class:`GraphedRow` (a one-row draft cache and 
 captured over it) and lends it to one session at a time, which starts from a zeroed row; the
 row is rebuilt (and the graphs recaptured) when a session needs a longer row than it has or
 one under a quarter of it (each pass attends over the whole row), or when the head's weights
-moved (a graph replays the addresses it captured).
+moved or changed in place (a graph replays the addresses it captured; a compiled CPU pass holds
+the weights themselves). Compiled on a CPU, where a pass reads only the keys in use, the row is
+never shortened.
 
 Without ``capture`` the same passes run eagerly on the same buffers (on a CPU, where the tests
 hold them against the lean pass; capturing needs CUDA), or, with ``compile``, through
 ``torch.compile`` on any device: :func:`head_pass` is one function for every pass size, compiled
 for one entry and, the buffers' size marked dynamic, once for two or more, both on padding
-before the first step (:meth:`StaticPasses.precompile`), its weights inputs of the graph
-(:func:`treespec.compiled.compile_fixed`). Compiled on a CPU, a pass attends over the row's first
+before the first step (:meth:`StaticPasses.precompile`): on a GPU its weights inputs of the
+graph (:func:`treespec.compiled.compile_fixed`); on a CPU frozen into it, so that inductor
+generates the products itself (its C++ GEMM templates, packed layers read on their dense
+weights: 0.95 against 0.67 ms a pass of 8 entries on the 2-core Xeon, docs/runtime.md). Compiled on a CPU, a pass attends over the row's first
 K keys only, the keys in use rounded up to :data:`~treespec.fixed_shape.KEY_STEP` (K a symbolic
 size of the graph, as the verify forward's), not over the whole row.
 
@@ -41,16 +45,19 @@ L cached entries before them, C the row's capacity, H hidden size, Vd draft voca
 from __future__ import annotations
 
 import logging
+import math
 import time
+import types
 import weakref
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from ..compiled import COMPILED_MIN_ROW, compile_fixed, pow2_row
+from ..compiled import COMPILED_MIN_ROW, COMPILED_VERIFY_ROW, compile_fixed, cpu_options, pow2_row
 from ..fixed_shape import KEY_STEP
 from ..kv_cache import PagedKVCache
+from ..packing import dense_in_compiled_graphs
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +87,7 @@ class StaticPasses:
         self._compiled_once = False
         self._shared = _Shared(head, keys, values, head.rope_table(keys.shape[0]),  # positions < L + m <= C
                                torch.cuda.graph_pool_handle() if capture else None,  # one pool for all shapes
-                               compile_fixed(head_pass) if compile else None)
+                               _compiled_pass(keys.device) if compile else None)
 
     @classmethod
     def over_row(cls, head, cache: PagedKVCache, seq: int, capture: bool, max_entries: int,
@@ -151,6 +158,24 @@ class StaticPasses:
         p.launch()
         # Clones: the next launch of this shape overwrites the graph's outputs in place.
         return p.states.clone(), p.logp.clone()
+
+
+def _compiled_pass(device: torch.device) -> Callable:
+    """:func:`head_pass` compiled; on a CPU with the head's weights frozen into the graph, so
+    that inductor generates its products (:func:`~treespec.compiled.cpu_options`), packed
+    layers included (:func:`~treespec.packing.dense_in_compiled_graphs`)."""
+    if device.type != "cpu":
+        return compile_fixed(head_pass)
+    # A code object of its own: dynamo keeps graphs per code object, and the weights are
+    # constants of these graphs, which its guards (on the tensors' identity) do not see change.
+    own = types.FunctionType(head_pass.__code__.replace(), head_pass.__globals__, head_pass.__name__)
+    compiled = compile_fixed(own, cpu_options())
+
+    def run(*args):
+        with dense_in_compiled_graphs():
+            return compiled(*args)
+
+    return run
 
 
 class _Shared:
@@ -289,8 +314,9 @@ class GraphedRow:
     """A drafter's one-row draft cache and the static passes captured over it, lent to one
     session at a time (:meth:`lend`) so that graphs captured by one request serve the next.
     ``capture=False`` runs the same passes uncaptured (what the CUDA tests compare with);
-    ``compile=True`` runs them through ``torch.compile`` (:func:`head_pass`, the head's weights
-    inputs of the graph), on rows of at least 512 entries."""
+    ``compile=True`` runs them through ``torch.compile`` (:func:`head_pass`; on a CPU the head's
+    weights frozen into the graph), on rows of at least 512 entries (on a CPU one row of at least
+    2,048, grown for a longer request and never shortened: a new row compiles again)."""
 
     def __init__(self, capture: bool = True, compile: bool = False):
         self.capture, self.compile = capture, compile
@@ -309,9 +335,13 @@ class GraphedRow:
             return None
         weights = _addresses(head)
         # Too short, or far too long (every pass reads the whole row); compiled, rows of at least
-        # COMPILED_MIN_ROW, so that short requests after long ones keep theirs.
-        shortest = COMPILED_MIN_ROW if self.compile else 0
-        longest = 4 * (pow2_row(tokens, shortest) if self.compile else tokens)
+        # COMPILED_MIN_ROW, so that short requests after long ones keep theirs. Compiled on a CPU a
+        # pass reads the keys in use only, and a new row means compiling again (its weights
+        # frozen into the graph: 11 s on the 2-core Xeon): one row of COMPILED_VERIFY_ROW, grown
+        # only for a longer request, never shortened.
+        narrow = self.compile and next(head.parameters()).device.type == "cpu"
+        shortest = COMPILED_VERIFY_ROW if narrow else COMPILED_MIN_ROW if self.compile else 0
+        longest = math.inf if narrow else 4 * (pow2_row(tokens, shortest) if self.compile else tokens)
         fits = self.passes is not None and tokens <= self.passes.capacity < longest
         if not fits or weights != self._weights:
             self.passes = self.cache = None  # the old graphs and row go first: the new ones need the memory
@@ -339,7 +369,14 @@ class GraphedRow:
 
 def _addresses(head) -> tuple:
     """Where every tensor a captured pass reads lives (the head's, and the target's embedding
-    and output layer it borrows): a graph replays these addresses, so a change means recapture."""
+    and output layer it borrows), and its version (bumped by every in-place change): a graph
+    replays these addresses, and a compiled CPU pass holds the weights frozen into its graph, so
+    a change of either means capturing or compiling again."""
     modules = [head, head._embed[0]] + ([head._target_lm_head[0]] if head._target_lm_head[0] is not None else [])
     tensors = [t for m in modules for t in (*m.parameters(), *m.buffers())]
-    return tuple((t.data_ptr(), t.dtype, t.device, tuple(t.shape)) for t in tensors)
+    return tuple((t.data_ptr(), t.dtype, t.device, tuple(t.shape), _version(t)) for t in tensors)
+
+
+def _version(t: torch.Tensor) -> int:
+    """``t``'s version counter; an inference tensor has none (and cannot change outside inference mode)."""
+    return -1 if t.is_inference() else t._version
