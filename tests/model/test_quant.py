@@ -330,6 +330,30 @@ def test_treespec_on_quantized_tiny_equals_its_hf_generate(weights, family, one_
             assert out.sequences[0] == ref[0, len(prompt):].tolist()
 
 
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_seeds_and_options_hold_on_quantized_weights(weights, one_thread):
+    """On a quantized target, as on dense weights (tests/engine/test_generation_options.py):
+    greedy with generation options is its own HF generate with the same options, token for
+    token, whatever the drafter; a seed fixes the sampled output (temperature, top-p, a
+    repetition penalty) whatever the drafter and tree, treespec's own one-token decoding
+    (``"none"``) included; another seed changes it."""
+    model = tiny_model("llama", 3, hidden=64, heads=4, kv_heads=2)
+    quantize_linears(model, weights)
+    draft = tiny_model("llama", 4, hidden=64, heads=4, kv_heads=2, layers=1)
+    prompt = [4, 8, 15, 16, 23, 42, 4, 8, 15]
+    options = dict(repetition_penalty=1.3, no_repeat_ngram_size=3)
+    ids = torch.tensor([prompt])
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False, **options)
+    for drafter in ("none", NgramDrafter(), ModelDrafter(draft)):
+        out = treespec.generate(model, drafter, "cpu-tiny", [prompt], max_new_tokens=24, **options)
+        assert out.sequences[0] == ref[0, len(prompt):].tolist()
+    kw = dict(max_new_tokens=24, temperature=0.8, top_p=0.95, repetition_penalty=1.1)
+    runs = {(str(d), tree): treespec.generate(model, d, tree, [prompt], seed=[77], **kw).sequences[0]
+            for d in ("none", "ngram", ModelDrafter(draft)) for tree in ("chain-3", "cpu-tiny")}
+    assert len({tuple(r) for r in runs.values()}) == 1, runs
+    assert treespec.generate(model, "none", "chain-3", [prompt], seed=[78], **kw).sequences[0] != runs["none", "chain-3"]
+
+
 @needs_stories
 @pytest.mark.parametrize("weights", ["int4", "int8"])
 def test_stories260k_quantized_on_load(weights, one_thread):

@@ -34,7 +34,7 @@ for one entry and, the buffers' size marked dynamic, once for two or more, both 
 before the first step (:meth:`StaticPasses.precompile`): on a GPU its weights inputs of the
 graph (:func:`treespec.compiled.compile_fixed`); on a CPU frozen into it, so that inductor
 generates the products itself (its C++ GEMM templates, packed layers read on their dense
-weights: 0.95 against 0.67 ms a pass of 8 entries on the 2-core Xeon, docs/runtime.md). Compiled on a CPU, a pass attends over the row's first
+weights: 1.11 against 0.76 ms a pass of 8 entries on the 2-core Xeon, docs/runtime.md). Compiled on a CPU, a pass attends over the row's first
 K keys only, the keys in use rounded up to :data:`~treespec.fixed_shape.KEY_STEP` (K a symbolic
 size of the graph, as the verify forward's), not over the whole row.
 
