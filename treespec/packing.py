@@ -38,7 +38,9 @@ log = logging.getLogger(__name__)
 #: rows a verify forward typically runs; oneDNN chooses its blocked layout for this M.
 DEFAULT_BATCH_HINT = 16
 
-# Set by :func:`dense_in_compiled_graphs`: a graph traced meanwhile reads a PackedLinear's dense weight
+# Set by :func:`dense_in_compiled_graphs`: a graph traced meanwhile reads a PackedLinear's dense
+# weight. A plain global, which dynamo guards on: a graph traced in another thread while it is set
+# traces the dense product too, and compiles again on its next call.
 _DENSE_IN_GRAPHS = False
 
 

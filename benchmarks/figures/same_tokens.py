@@ -39,7 +39,9 @@ def verdict(runs: dict, divergences: dict, a: str, b: str) -> tuple[str, bool]:
     judged = []
     for name in (a, b):
         d = divergences.get(name)
-        if d is None:
+        if d is None:  # no verdict: only an output equal to HF generate's needs none
+            if runs[name]["tokens"] != runs["hf-generate"]["tokens"]:
+                return f"differ at {at}; {name} differs from HF generate, unjudged: unexplained", False
             judged.append(f"{name} = HF generate")
             continue
         ok = d["fp32_shortfall"] <= d["tolerance"] and (d.get("later_shortfall") or 0.0) <= d["tolerance"]
@@ -58,6 +60,10 @@ def main() -> int:
     ap.add_argument("b")
     args = ap.parse_args()
     rows = [json.loads(line) for line in open(args.journal)]
+    key = next((r["key"] for r in rows if "key" in r), {})
+    if (key.get("sampling") or {}).get("temperature", 0) not in (0, 0.0, None):
+        print("a sampled run: outputs are not compared token for token", file=sys.stderr)
+        return 2
     prompts = [r for r in rows if "runs" in r]
     bad = same = 0
     for r in prompts:
@@ -68,8 +74,11 @@ def main() -> int:
         same += line == "same tokens"
         bad += not explained
         print(f"prompt {r['prompt']}: {line}")
-    print(f"{args.b} against {args.a}: {same} of {len(prompts)} prompts the same tokens, {bad} unexplained")
-    return 1 if bad else 0
+    compared = sum(args.a in r["runs"] and args.b in r["runs"] for r in prompts)
+    print(f"{args.b} against {args.a}: {same} of {compared} prompts the same tokens, {bad} unexplained")
+    if not compared:
+        print(f"no prompt ran both {args.a} and {args.b}", file=sys.stderr)
+    return 1 if bad or not compared else 0
 
 
 if __name__ == "__main__":

@@ -175,7 +175,18 @@ def _compiled_pass(device: torch.device) -> Callable:
         with dense_in_compiled_graphs():
             return compiled(*args)
 
+    # Dynamo keeps a code object's graphs (and records of its recompiles) for the process: drop
+    # them with the passes, or every rebuild would keep its frozen weights alive.
+    weakref.finalize(run, _forget_code, own.__code__)
     return run
+
+
+def _forget_code(code: types.CodeType) -> None:
+    """Let go of what dynamo keeps for ``code``: its compiled graphs and its recompile records."""
+    from torch._dynamo import utils as dynamo_utils
+
+    torch._C._dynamo.eval_frame.reset_code(code)
+    getattr(dynamo_utils, "guard_failures", {}).pop(code, None)
 
 
 class _Shared:
@@ -337,7 +348,7 @@ class GraphedRow:
         # Too short, or far too long (every pass reads the whole row); compiled, rows of at least
         # COMPILED_MIN_ROW, so that short requests after long ones keep theirs. Compiled on a CPU a
         # pass reads the keys in use only, and a new row means compiling again (its weights
-        # frozen into the graph: 11 s on the 2-core Xeon): one row of COMPILED_VERIFY_ROW, grown
+        # frozen into the graph: 4-5 s a graph on the 2-core Xeon): one row of COMPILED_VERIFY_ROW, grown
         # only for a longer request, never shortened.
         narrow = self.compile and next(head.parameters()).device.type == "cpu"
         shortest = COMPILED_VERIFY_ROW if narrow else COMPILED_MIN_ROW if self.compile else 0
@@ -378,5 +389,7 @@ def _addresses(head) -> tuple:
 
 
 def _version(t: torch.Tensor) -> int:
-    """``t``'s version counter; an inference tensor has none (and cannot change outside inference mode)."""
+    """``t``'s version counter; an inference tensor has none, so a change made to one in place
+    (inside inference mode) goes unseen: load a head's new weights as new tensors, or outside
+    inference mode."""
     return -1 if t.is_inference() else t._version
