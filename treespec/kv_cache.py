@@ -70,8 +70,8 @@ class PagedKVCache:
         # one's elements, of its dtype and device: its first elements are zeroed and used (see
         # ModelRunner.release_cache); else a new one.
         need = 2 * math.prod(shape)
-        fits = (storage is not None and storage.dim() == 1 and storage.numel() >= need and storage.dtype == dtype
-                and storage.device == torch.device(device)
+        fits = (storage is not None and storage.dim() == 1 and storage.is_contiguous() and storage.numel() >= need
+                and storage.dtype == dtype and storage.device == torch.device(device)
                 # one made under inference_mode can be written only there
                 and (torch.is_inference_mode_enabled() or not storage.is_inference()))
         self._storage = storage if fits else torch.empty(need, dtype=dtype, device=device)

@@ -118,8 +118,9 @@ class ModelRunner:
         fresh allocation pays for every page the first time it is written: zeroing a new
         2,048-position cache of SmolLM2-135M (95 MB in fp32) took 124 ms on a 2-core Intel
         Xeon, a tenth of a 128-token answer, where zeroing a reused one is a memory write; a
-        compiled call's 2,048-position row, made again after an eager call of a shorter one,
-        took 360-490 ms there. (CUDA's caching allocator reuses memory already.)"""
+        bench's compiled calls, each after an eager call of a shorter row, spent 1.74 s of 10.18
+        making theirs afresh (docs/benchmarks.md, "Compiled, round six"). (CUDA's caching
+        allocator reuses memory already.)"""
         if cache.device.type != "cpu":
             return
         kept = _SPARE_KV.get(self.model)

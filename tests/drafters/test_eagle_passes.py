@@ -335,8 +335,12 @@ def test_compiled_cpu_passes_multiply_on_the_dense_weights_inductor_freezes(eagl
     with PackedLinears(model, drafter.head):
         passes = StaticPasses.over_row(drafter.head, s.cache, s.seq[0], False, 8, compile=True)
         compiled, code = run_and_get_code(passes.run, tokens, hidden, positions, mask, 3)
+        with torch.no_grad():
+            drafter.head.lm_head.weight.mul_(-1.0)  # frozen: the graph keeps the weights it was built with
+        again = passes.run(tokens, hidden, positions, mask, 3)
     src = "\n".join(code)
     assert code and "packed_linear" not in src
+    assert torch.equal(again[1], compiled[1])
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     for got, want in zip(compiled, eager):
         assert (got.float() - want.float()).abs().max() <= tol * max(1.0, want.float().abs().max())

@@ -34,9 +34,10 @@ for one entry and, the buffers' size marked dynamic, once for two or more, both 
 before the first step (:meth:`StaticPasses.precompile`): on a GPU its weights inputs of the
 graph (:func:`treespec.compiled.compile_fixed`); on a CPU frozen into it, so that inductor
 generates the products itself (its C++ GEMM templates, packed layers read on their dense
-weights: 1.11 against 0.76 ms a pass of 8 entries on the 2-core Xeon, docs/runtime.md). Compiled on a CPU, a pass attends over the row's first
-K keys only, the keys in use rounded up to :data:`~treespec.fixed_shape.KEY_STEP` (K a symbolic
-size of the graph, as the verify forward's), not over the whole row.
+weights: 1.11 against 0.76 ms a pass of 8 entries on the 2-core Xeon, docs/runtime.md).
+Compiled on a CPU, a pass attends over the row's first K keys only, the keys in use rounded up
+to :data:`~treespec.fixed_shape.KEY_STEP` (K a symbolic size of the graph, as the verify
+forward's), not over the whole row.
 
 Letters: n entries of a pass, m tree entries it sees (the pass's own and the earlier levels'),
 L cached entries before them, C the row's capacity, H hidden size, Vd draft vocabulary.
@@ -348,8 +349,8 @@ class GraphedRow:
         # Too short, or far too long (every pass reads the whole row); compiled, rows of at least
         # COMPILED_MIN_ROW, so that short requests after long ones keep theirs. Compiled on a CPU a
         # pass reads the keys in use only, and a new row means compiling again (its weights
-        # frozen into the graph: 4-5 s a graph on the 2-core Xeon): one row of COMPILED_VERIFY_ROW, grown
-        # only for a longer request, never shortened.
+        # frozen into the graph: 4-5 s a graph on the 2-core Xeon): one row of
+        # COMPILED_VERIFY_ROW, grown only for a longer request, never shortened.
         narrow = self.compile and next(head.parameters()).device.type == "cpu"
         shortest = COMPILED_VERIFY_ROW if narrow else COMPILED_MIN_ROW if self.compile else 0
         longest = math.inf if narrow else 4 * (pow2_row(tokens, shortest) if self.compile else tokens)
