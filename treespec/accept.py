@@ -45,7 +45,7 @@ import torch
 from .processing import NodeProcessor
 from .tree import Tree
 
-__all__ = ["Verdict", "accept", "target_choices", "RequestDecoding", "gumbel_noise", "PaddedTrees", "pad_trees"]
+__all__ = ["Verdict", "accept", "accept_fixed", "verdicts_of", "target_choices", "RequestDecoding", "gumbel_noise", "PaddedTrees", "pad_trees"]
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,49 @@ def accept(trees: list[Tree], choices: torch.Tensor) -> list[Verdict]:
         path = [j for j, x in enumerate(on) if x]
         toks = pt.tokens[b, path[1:]].tolist() + [t]
         out.append(Verdict(path, toks))
+    return out
+
+
+def accept_fixed(choices: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
+                 reach: torch.Tensor) -> torch.Tensor:
+    """:func:`accept`'s rule on a fixed-shape bucket's tensors (``treespec/fixed_shape.py``),
+    with no read back and no shape that depends on the data: what a compiled or captured verify
+    runs after its forward.
+
+    Args:
+        choices: int64 ``[R, N]``, the target's choice at every token of each row's bucket.
+        tokens:  int64 ``[R, N]``, the bucket's tokens (a row's tree first, then padding).
+        parents: int64 ``[R, N]``, each token's parent in its row; -1: the root, or padding.
+        reach:   bool ``[R, N, N]``, token j is token i or one of its ancestors
+                 (:func:`~treespec.fixed_shape.ancestor_masks`).
+    Returns:
+        int64 ``[R, 1 + 2N]``, per row: the accepted count ``a``, then the path (its ``a + 1``
+        node indices, root first; then ``a + 1, a + 2, ...``, what a compaction leaves where it
+        is), then the committed tokens (the ``a`` accepted ones and the bonus; then -1). A row
+        of padding alone accepts nothing and commits its root's choice.
+    """
+    R, N = tokens.shape
+    idx = torch.arange(N, device=tokens.device)
+    correct = (tokens == choices.gather(1, parents.clamp(min=0))) & (parents >= 0) | (idx == 0)
+    ok = ~(reach & ~correct[:, None, :]).any(-1)  # every ancestor (and itself) carries its parent's choice
+    depth = reach.sum(-1) - 1
+    best = torch.where(ok, depth, -1).argmax(1)  # at most one reachable node per depth (distinct siblings)
+    on = reach.gather(1, best[:, None, None].expand(R, 1, N))[:, 0]  # [R, N]: the path's nodes
+    count = on.sum(1) - 1
+    # Parents precede children: the path's nodes in index order are root first; the rest after.
+    order = torch.where(on, idx, N + idx).sort(1).values % N
+    steps = idx[None] <= count[:, None]
+    path = torch.where(steps, order, idx)
+    committed = torch.where(steps, choices.gather(1, order), -1)  # an accepted node's choice is its child's token
+    return torch.cat([count[:, None], path, committed], 1)
+
+
+def verdicts_of(packed: list[list[int]], rows: Sequence[int]) -> list[Verdict]:
+    """The verdicts of rows ``rows`` from :func:`accept_fixed`'s output read back (``tolist``)."""
+    out = []
+    for r in rows:
+        a, N = packed[r][0], (len(packed[r]) - 1) // 2
+        out.append(Verdict(packed[r][1: a + 2], packed[r][1 + N: a + 2 + N]))
     return out
 
 

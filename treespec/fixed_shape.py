@@ -51,12 +51,13 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from .accept import Verdict, accept_fixed, verdicts_of
 from .compiled import COMPILED_VERIFY_ROW, compile_for_model, cpu_options, pow2_row
 from .kv_cache import PagedKVCache
 from .runner import ForwardOutput
 from .tree import Tree
 
-__all__ = ["FixedShapeVerify", "FixedRowsAttention", "BUCKETS", "bucket_for", "row_capacity", "fixed_row_tokens",
+__all__ = ["FixedShapeVerify", "Accepted", "FixedRowsAttention", "BUCKETS", "bucket_for", "row_capacity", "fixed_row_tokens",
            "tree_rows_mask", "ancestor_masks"]
 
 log = logging.getLogger(__name__)
@@ -198,6 +199,18 @@ def _windowed(batch: _RowsBatch, window: int, keys: int) -> torch.Tensor:
     return batch.mask & near[:, None]
 
 
+@dataclass(eq=False)
+class Accepted:
+    """A fixed-shape verify that also accepted (``FixedShapeVerify(accept=True)``): each
+    request's verdict, the K/V of its path already moved to the positions right after its
+    committed ones (what :meth:`PagedKVCache.commit` of those positions keeps in place), and,
+    when features were captured, the features at its path's nodes, root first
+    (``[N, F]`` a request: the first ``len(path)`` rows are the path's)."""
+
+    verdicts: list[Verdict]
+    features: list[torch.Tensor] | None
+
+
 class FixedShapeVerify:
     """The loop's verify forward on fixed shapes, over one cache's block of rows.
 
@@ -213,10 +226,15 @@ class FixedShapeVerify:
         seqs:    the block's sequences.
         compile: run the forward through ``torch.compile(dynamic=False)``.
         buckets: the tree sizes a forward is padded to (ascending).
+        accept:  greedy requests with no processors: the forward also takes the target's argmax at
+                 every token, applies the acceptance rule and moves the accepted path's K/V into
+                 place (:func:`~treespec.accept.accept_fixed`, :meth:`PagedKVCache.move`), all
+                 inside the compiled or captured body, and reads back one small tensor a step:
+                 :meth:`forward` then returns :class:`Accepted`.
     """
 
     def __init__(self, runner, cache: PagedKVCache, seqs: Sequence[int], compile: bool = False,
-                 buckets: Sequence[int] = BUCKETS):
+                 buckets: Sequence[int] = BUCKETS, accept: bool = False):
         block = cache.block_rows(seqs, 0)
         if block is None or not seqs:
             raise ValueError("the verify forward on fixed shapes needs the cache's sequences in one block of rows "
@@ -231,7 +249,7 @@ class FixedShapeVerify:
         self._buffers: dict[int, tuple[_Bucket, _Bucket]] = {}  # N -> (on the device, on the CPU)
         if compile and runner.feature_layers:
             _install_output_hooks(runner.model)
-        self.compiled = compile
+        self.compiled, self.accepts = compile, accept
         # On a CPU each forward attends over the longest row's keys rounded up to KEY_STEP, a size
         # the compiled forward takes as symbolic (one compile serves every length); a CUDA graph
         # replays fixed shapes, so there every forward attends over the whole row.
@@ -264,7 +282,7 @@ class FixedShapeVerify:
         seen = _COMPILED.setdefault(model, set())
         start, done = time.perf_counter(), 0
         for n in (b for b in self.buckets if b <= top):
-            key = (kinds, self.attention.rows, self.capacity, self.attention.first, n, capture)
+            key = (kinds, self.attention.rows, self.capacity, self.attention.first, n, capture, self.accepts)
             if key in seen:
                 continue
             device, _ = self._bucket(n)
@@ -273,7 +291,7 @@ class FixedShapeVerify:
             device.committed.zero_()
             # a key count unlike any bucket's or the row's own: no size is taken for another
             self._run(device, self._span(self._keys(n) if not self.narrow else min(n + KEY_STEP + 1, self.capacity)),
-                      capture and bool(self.runner.feature_layers))
+                      capture and bool(self.runner.feature_layers), self.accepts)
             seen.add(key)
             done += 1
         seconds = time.perf_counter() - start if done else 0.0
@@ -289,10 +307,12 @@ class FixedShapeVerify:
 
     @torch.inference_mode()
     def forward(self, seqs: Sequence[int], trees: Sequence[Tree], cached: Sequence[int],
-                capture: bool = False):
+                capture: bool = False) -> ForwardOutput | Accepted:
         """The target's logits (``[n_i, V]``) and, with ``capture``, features (``[n_i, F]``) at
         every node of request i's tree ``trees[i]``, in its sequence ``seqs[i]`` after
-        ``cached[i]`` committed tokens: a :class:`~treespec.runner.ForwardOutput`."""
+        ``cached[i]`` committed tokens: a :class:`~treespec.runner.ForwardOutput`; or, built
+        with ``accept`` and on a bucket (not today's forward), the requests' verdicts:
+        :class:`Accepted`."""
         N = bucket_for(max(t.num_nodes for t in trees), self.buckets)
         rows = [self.row_of.get(s) for s in seqs]
         for r, L in zip(rows, cached):
@@ -311,8 +331,11 @@ class FixedShapeVerify:
         fill(host, self.committed, rows, trees)
         if device is not host:
             device.copy_from(host)
-        logits, features = self._run(device, self._span(self._keys(N)), capture and bool(self.runner.feature_layers))
+        capture = capture and bool(self.runner.feature_layers)
+        logits, features, packed = self._run(device, self._span(self._keys(N)), capture, self.accepts)
         self.fixed_forwards += 1
+        if packed is not None:  # the step's one read back
+            return Accepted(verdicts_of(packed.tolist(), rows), None if features is None else [features[r] for r in rows])
         return _per_request(logits, features, rows, [t.num_nodes for t in trees])
 
     def _bucket(self, n: int) -> tuple[_Bucket, _Bucket]:
@@ -340,10 +363,12 @@ class FixedShapeVerify:
                 torch._dynamo.mark_dynamic(span, 0)
         return self._spans[k]
 
-    def _body(self, b: _Bucket, span: torch.Tensor, capture: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _body(self, b: _Bucket, span: torch.Tensor, capture: bool, accept: bool):
         """One forward of bucket ``b`` over the first ``len(span)`` keys of each row: logits
-        ``[R, N, V]`` and features ``[R, N, F]`` (None unless ``capture``). Reads only ``b``'s
-        buffers and the cache: what a compile or a CUDA graph holds."""
+        ``[R, N, V]``, features ``[R, N, F]`` (None unless ``capture``) and, with ``accept``, the
+        rows' verdicts (:func:`~treespec.accept.accept_fixed`'s ``[R, 1 + 2N]``; else None), the
+        accepted paths' K/V moved into place and the features gathered at the paths' nodes. Reads
+        only ``b``'s buffers and the cache: what a compile or a CUDA graph holds."""
         R, N = b.ids.shape
         slots = (self._row_start + b.committed)[:, None] + torch.arange(N, device=b.ids.device)  # [R, N]
         tree_mask = ancestor_masks(b.parents)  # [R, N, N]
@@ -354,11 +379,18 @@ class FixedShapeVerify:
         out = self.runner.model(input_ids=b.ids.view(1, R * N), position_ids=positions.view(1, R * N),
                                 use_cache=False, output_hidden_states=capture, treespec_batch=batch)
         logits = out.logits.view(R, N, -1)
-        if not capture:
-            return logits, None
-        # hidden_states[i]: what enters layer i; [-1]: the final norm's output (FINAL_NORM).
-        features = torch.cat([out.hidden_states[fid] for fid in self.runner.feature_layers], dim=-1)
-        return logits, features.view(R, N, -1)
+        features = None
+        if capture:  # hidden_states[i]: what enters layer i; [-1]: the final norm's output (FINAL_NORM)
+            features = torch.cat([out.hidden_states[fid] for fid in self.runner.feature_layers], dim=-1).view(R, N, -1)
+        if not accept:
+            return logits, features, None
+        # the first maximum, as HF generate's argmax of the logits widened to fp32
+        packed = accept_fixed(logits.float().argmax(-1), b.ids, b.parents, tree_mask)
+        path = packed[:, 1: N + 1]
+        self.cache.move(slots.gather(1, path), slots)  # row r's node path[j] to position committed + j
+        if features is not None:
+            features = features.gather(1, path[..., None].expand(-1, -1, features.shape[-1]))
+        return logits, features, packed
 
 
 def _install_output_hooks(model) -> None:

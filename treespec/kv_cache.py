@@ -214,6 +214,23 @@ class PagedKVCache:
         fk[slots] = k.to(fk.dtype)
         fv[slots] = v.to(fv.dtype)
 
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's K/V at flat slots ``src`` to flat slots ``dst`` (int64 tensors of
+        one shape): one indexed read and one indexed write for all layers, nothing read back to
+        the host, so a compiled or captured step can compact its tree's K/V itself. The read
+        copies first: ``src`` and ``dst`` may overlap. The bookkeeping is the caller's
+        (:meth:`commit` of the positions then in place)."""
+        src, dst = src.reshape(-1), dst.reshape(-1)
+        if not torch.compiler.is_compiling():
+            every = self._kv.view(2, len(self.k), -1, *self._kv.shape[4:])  # [2, layers, slots, Hkv, D]
+            every.index_copy_(2, dst, every.index_select(2, src))
+            return
+        # Compiled, through the views the forward writes (another alias of the storage as an input
+        # of the graph breaks inductor's frozen graphs); the graph fuses the layers' copies.
+        for fk, fv in self._flat:
+            fk.index_copy_(0, dst, fk.index_select(0, src))
+            fv.index_copy_(0, dst, fv.index_select(0, src))
+
     def gather(self, layer: int, slots: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V at flat ``slots`` (any shape of int64 indices; a slice gives views)."""
         fk, fv = self.flat(layer)

@@ -29,11 +29,14 @@ import os
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from helpers.rejection_sampling import verify_sampling
 from helpers.stats import chi_square, token_counts, token_probs
+from helpers.trees import trees
 from treespec import SamplingParams, Tree
-from treespec.accept import Verdict, accept
+from treespec.accept import Verdict, accept, accept_fixed, verdicts_of
 
 # ---- greedy: literal cases ------------------------------------------------------------------
 
@@ -79,6 +82,47 @@ def test_greedy_batch_with_padding():
     ])
     got = accept(trees, argmax)
     assert got == [Verdict([0, 1, 2, 3], [5, 3, 4, 9]), Verdict([0], [3]), Verdict([0, 2, 5, 6], [6, 8, 2, 1])]
+
+
+def fixed_verdicts(trees, choices, N: int, rows: int) -> list[Verdict]:
+    """``accept_fixed`` on trees laid out as a fixed-shape bucket: tree i in row i of ``rows``
+    (the others padding) of N tokens, ``choices`` of each tree's nodes in its row's first
+    entries, random ones elsewhere (padding's choices must change nothing)."""
+    from treespec.fixed_shape import ancestor_masks
+
+    tokens = torch.randint(0, 50, (rows, N))
+    parents = torch.full((rows, N), -1)
+    full = torch.randint(0, 50, (rows, N))
+    for i, (t, c) in enumerate(zip(trees, choices)):
+        n = t.num_nodes
+        tokens[i, :n], parents[i, :n], full[i, :n] = t.tokens, t.parents, torch.as_tensor(c)[:n]
+    packed = accept_fixed(full, tokens, parents, ancestor_masks(parents))
+    assert packed.shape == (rows, 1 + 2 * N) and packed.dtype == torch.int64
+    return verdicts_of(packed.tolist(), range(rows))
+
+
+@pytest.mark.parametrize("tree,argmax,path,tokens,reason", GREEDY_CASES, ids=[c[-1] for c in GREEDY_CASES])
+def test_greedy_literal_on_a_fixed_shape_bucket(tree, argmax, path, tokens, reason):
+    """The rule on the device (``accept_fixed``, what a fixed-shape verify runs after its
+    forward): the same verdicts, a row of padding alone committing its root's choice."""
+    got = fixed_verdicts([tree], [argmax], 8, 2)
+    assert got[0] == Verdict(path, tokens), reason
+    assert got[1].path == [0] and len(got[1].tokens) == 1
+
+
+@settings(deadline=None, derandomize=True, max_examples=150)
+@given(st.lists(trees(max_nodes=16, vocab=20), min_size=1, max_size=3), st.data())
+def test_fixed_shape_rule_equals_accept(tree_list, data):
+    """Random trees and choices (drawn from each node's children's tokens most of the time, so
+    that paths run deep): ``accept_fixed`` gives ``accept``'s verdicts; its packed path leaves
+    the positions past the accepted ones in place."""
+    choices = []
+    for t in tree_list:
+        kids = [[int(t.tokens[j]) for j in range(t.num_nodes) if int(t.parents[j]) == i] for i in range(t.num_nodes)]
+        choices.append([data.draw(st.sampled_from(k) if k and data.draw(st.booleans()) else st.integers(0, 19))
+                        for k in kids])
+    want = accept(tree_list, torch.tensor([c + [0] * (16 - len(c)) for c in choices]))
+    assert fixed_verdicts(tree_list, choices, 16, len(tree_list) + 1)[: len(tree_list)] == want
 
 
 # ---- sampling: helpers ----------------------------------------------------------------------

@@ -29,7 +29,7 @@ from ..accept import RequestDecoding, Verdict, accept, target_choices
 from ..auto import AutoController, AutoProfile
 from ..constraints import DraftRules
 from ..drafters.base import DraftStart, Drafter
-from ..fixed_shape import FixedShapeVerify, fixed_row_tokens
+from ..fixed_shape import Accepted, FixedShapeVerify, fixed_row_tokens
 from ..mask import causal_mask
 from ..prefix_cache import PrefixCache, PrefixUse
 from ..runner import ModelRunner
@@ -129,8 +129,8 @@ def decode(run: Run) -> Iterator[StepOutput]:
                 trees = _draft(run, session, auto, timer, active, limits)
             with timer("verify"):
                 out = _tree_forward(runner, fixed, cache, active, trees, cached)
-                verdicts, scores = _verify(trees, out.logits, active, run.output_scores)
-                tokens, kept, scores = _commit(run, active, verdicts, out.features, scores, cache)
+                verdicts, scores = _verify(trees, out, active, run.output_scores)
+                tokens, kept, scores = _commit(run, active, verdicts, out, scores, cache)
                 prefix_use.record(ids, cached, kept)
                 auto.learn(trees, [v.path for v in verdicts])
                 metrics.record_step(ids, trees, tokens)
@@ -213,21 +213,24 @@ def _set_up(run: Run, max_nodes: int, metrics: SpecMetrics, timer: "_StepTimer")
     row_tokens = (fixed_row_tokens(longest, max_nodes + 1, runner.fixed_shapes) if runner.fixed_shapes
                   else longest + max_nodes + 1)
     cache, cache_seqs = runner.new_rows_cache(len(run.prompts), row_tokens, run.page_size)
-    fixed = _fixed_verify(runner, cache, cache_seqs, max_nodes, metrics)
+    # greedy with nothing to apply at a node: the rule runs on the device, after the forward
+    accept = not run.output_scores and all(d.greedy and not d.processor for d in run.decodings)
+    fixed = _fixed_verify(runner, cache, cache_seqs, max_nodes, metrics, accept)
     sizing = time.perf_counter()
     auto = _controller(run, max_nodes, fixed if runner.fixed_shapes == "compile" else None)
     timer.discount(metrics.compile_seconds + time.perf_counter() - sizing)
     return cache, cache_seqs, fixed, auto
 
 
-def _fixed_verify(runner: ModelRunner, cache, seqs, max_nodes: int,
-                  metrics: SpecMetrics) -> FixedShapeVerify | None:
-    """The verify forward on fixed shapes, when asked (its buffers live as long as the rows);
-    compiled, every bucket a tree can take is compiled here, before the prompts' K/V go in (the
-    seconds in ``metrics.compile_seconds``)."""
+def _fixed_verify(runner: ModelRunner, cache, seqs, max_nodes: int, metrics: SpecMetrics,
+                  accept: bool) -> FixedShapeVerify | None:
+    """The verify forward on fixed shapes, when asked (its buffers live as long as the rows),
+    with ``accept`` the acceptance rule and the K/V's compaction inside it; compiled, every
+    bucket a tree can take is compiled here, before the prompts' K/V go in (the seconds in
+    ``metrics.compile_seconds``)."""
     if not runner.fixed_shapes:
         return None
-    fixed = FixedShapeVerify(runner, cache, seqs, compile=runner.fixed_shapes == "compile")
+    fixed = FixedShapeVerify(runner, cache, seqs, compile=runner.fixed_shapes == "compile", accept=accept)
     metrics.compile_seconds += fixed.precompile(max_nodes + 1, capture=bool(runner.feature_layers))
     return fixed
 
@@ -246,39 +249,46 @@ def _tree_forward(runner: ModelRunner, fixed: FixedShapeVerify | None, cache, ac
     )
 
 
-def _verify(trees: list[Tree], logits: list[torch.Tensor], active: list[Request], keep_scores: bool):
+def _verify(trees: list[Tree], out, active: list[Request], keep_scores: bool):
     """Each request's verdict on its tree: the target's choice at each node (its argmax, or its
     sample at that position, after the request's processors with the node's own history), then
     the acceptance rule: a child is accepted exactly when it carries its parent's choice, so
-    greedy and sampled requests share one rule (``treespec/accept.py``). ``logits``: float
-    ``[n_b, V]`` per request. Returns the verdicts, and with ``keep_scores`` the processed
-    logits at every node (``[n_b, V]``; else None)."""
-    choices, scores = target_choices(trees, logits, [r.decoding for r in active], [r.sequence for r in active],
+    greedy and sampled requests share one rule (``treespec/accept.py``). ``out``: the tree
+    forward's logits (float ``[n_b, V]`` per request), or its verdicts when the fixed-shape
+    forward accepted on the device (:class:`~treespec.fixed_shape.Accepted`). Returns the
+    verdicts, and with ``keep_scores`` the processed logits at every node (``[n_b, V]``; else
+    None)."""
+    if isinstance(out, Accepted):
+        return out.verdicts, None
+    choices, scores = target_choices(trees, out.logits, [r.decoding for r in active], [r.sequence for r in active],
                                      keep_scores)
     return accept(trees, choices), scores
 
 
-def _commit(run: Run, active: list[Request], verdicts: list[Verdict], features: list[torch.Tensor] | None,
-            node_scores: list[torch.Tensor] | None, cache):
+def _commit(run: Run, active: list[Request], verdicts: list[Verdict], out, node_scores: list[torch.Tensor] | None,
+            cache):
     """Keep each verdict's tokens up to the budget and the first end, commit the K/V of the root
     and accepted nodes they came from, extend each request's ``sequence``, and mark the requests
-    that ended. Returns the tokens per active request; when ``features`` were captured, each
-    one's features at those nodes (``[len(tokens_i), F]``, for the drafter), else None; and with
-    ``node_scores`` (the processed logits at every node), those at the same nodes, else None."""
+    that ended. Returns the tokens per active request; when the tree forward ``out`` captured
+    features, each one's features at those nodes (``[len(tokens_i), F]``, for the drafter), else
+    None; and with ``node_scores`` (the processed logits at every node), those at the same
+    nodes, else None. A forward that accepted on the device (:class:`~treespec.fixed_shape.Accepted`)
+    moved the path's K/V and features into place already: its first positions are kept."""
+    features, moved = out.features, isinstance(out, Accepted)
     tokens, kept, scores = [], [], []
     for i, (r, v) in enumerate(zip(active, verdicts)):
         toks = v.tokens[: run.max_new_tokens - r.num_generated]
         end = r.first_end(toks, run.eos)
         if end is not None:
             toks = toks[: end + 1]
-        path = v.path[: len(toks)]  # the root and the accepted nodes whose KV is kept (host ints: no read back)
+        path = range(len(toks)) if moved else v.path[: len(toks)]  # the nodes whose K/V is kept (host ints)
         L = cache.seq_lens[r.cache_seq]
         cache.commit(r.cache_seq, [L + j for j in path])
         r.sequence.extend(toks)
         r.done = end is not None or r.num_generated >= run.max_new_tokens
         tokens.append(toks)
         if features is not None:
-            kept.append(features[i][path])
+            kept.append(features[i][: len(toks)] if moved else features[i][path])
         if node_scores is not None:
             scores.append(node_scores[i][path].float())
     return tokens, (kept if features is not None else None), (scores if node_scores is not None else None)
