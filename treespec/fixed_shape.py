@@ -51,7 +51,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from .accept import Verdict, accept_fixed, verdicts_of
+from .accept import Verdict, accept_fixed, first_argmax, verdicts_of
 from .compiled import COMPILED_VERIFY_ROW, compile_for_model, cpu_options, pow2_row
 from .kv_cache import PagedKVCache
 from .runner import ForwardOutput
@@ -384,8 +384,7 @@ class FixedShapeVerify:
             features = torch.cat([out.hidden_states[fid] for fid in self.runner.feature_layers], dim=-1).view(R, N, -1)
         if not accept:
             return logits, features, None
-        # the first maximum, as HF generate's argmax of the logits widened to fp32
-        packed = accept_fixed(logits.float().argmax(-1), b.ids, b.parents, tree_mask)
+        packed = accept_fixed(first_argmax(logits), b.ids, b.parents, tree_mask)
         path = packed[:, 1: N + 1]
         self.cache.move(slots.gather(1, path), slots)  # row r's node path[j] to position committed + j
         if features is not None:

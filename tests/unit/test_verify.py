@@ -36,7 +36,7 @@ from helpers.rejection_sampling import verify_sampling
 from helpers.stats import chi_square, token_counts, token_probs
 from helpers.trees import trees
 from treespec import SamplingParams, Tree
-from treespec.accept import Verdict, accept, accept_fixed, verdicts_of
+from treespec.accept import Verdict, accept, accept_fixed, first_argmax, verdicts_of
 
 # ---- greedy: literal cases ------------------------------------------------------------------
 
@@ -123,6 +123,18 @@ def test_fixed_shape_rule_equals_accept(tree_list, data):
                         for k in kids])
     want = accept(tree_list, torch.tensor([c + [0] * (16 - len(c)) for c in choices]))
     assert fixed_verdicts(tree_list, choices, 16, len(tree_list) + 1)[: len(tree_list)] == want
+
+
+@settings(deadline=None, derandomize=True, max_examples=100)
+@given(st.integers(1, 3), st.integers(1, 40), st.integers(1, 16), st.data())
+def test_first_argmax_is_torchs_argmax(rows, V, block, data):
+    """The two-stage argmax the fixed-shape verify takes is ``argmax`` of the values widened to
+    fp32, whatever the block size: ties (values from a set of five), NaN, rows of -inf, a
+    vocabulary that is no multiple of the block."""
+    values = st.sampled_from([0.0, 1.0, 2.5, -math.inf, math.nan])
+    x = torch.tensor(data.draw(st.lists(st.lists(values, min_size=V, max_size=V), min_size=rows, max_size=rows)),
+                     dtype=data.draw(st.sampled_from([torch.float32, torch.bfloat16])))
+    assert torch.equal(first_argmax(x, block), x.float().argmax(-1))
 
 
 # ---- sampling: helpers ----------------------------------------------------------------------
