@@ -47,7 +47,8 @@ import torch.nn.functional as F
 from .processing import NodeProcessor
 from .tree import Tree
 
-__all__ = ["Verdict", "accept", "accept_fixed", "first_argmax", "verdicts_of", "target_choices", "RequestDecoding", "gumbel_noise", "PaddedTrees", "pad_trees"]
+__all__ = ["Verdict", "accept", "accept_fixed", "first_argmax", "verdicts_of", "target_choices", "RequestDecoding",
+           "gumbel_noise", "PaddedTrees", "pad_trees"]
 
 
 @dataclass(frozen=True)
@@ -95,18 +96,19 @@ def accept(trees: list[Tree], choices: torch.Tensor) -> list[Verdict]:
 
 def first_argmax(x: torch.Tensor, block: int = 1024, two_stage: bool | None = None) -> torch.Tensor:
     """int64 ``[...]``: the index of each last-dim row's first maximum, as ``x.argmax(-1)`` (of
-    ``x`` widened to fp32, the order HF generate takes). Compiled, in two reductions: each
+    ``x`` widened to fp32 if narrower, the order HF generate takes). Compiled, in two reductions: each
     block's maximum, then the first block holding the row's maximum and the first maximum
     inside it (rows padded with -inf to whole blocks). The same index (a NaN counts as the
     maximum in both), but several times faster than inductor's one-pass argmax on a CPU: 0.06
     against 0.40 ms for ``[16, 49152]`` bf16 logits on the 2-core Xeon, where eagerly the two
     reductions cost 1.9 ms and ATen's argmax 0.6 (``benchmarks/micro/accept_on_device.py``).
     ``two_stage``: the two reductions or ATen's argmax (None: the two where compiled)."""
+    x = x if x.dtype in (torch.float32, torch.float64) else x.float()  # widened: never narrowed
     if not (torch.compiler.is_compiling() if two_stage is None else two_stage):
-        return x.float().argmax(-1)
+        return x.argmax(-1)
     V = x.shape[-1]
     blocks = -(-V // block)
-    y = F.pad(x.float(), (0, blocks * block - V), value=-math.inf).unflatten(-1, (blocks, block))
+    y = F.pad(x, (0, blocks * block - V), value=-math.inf).unflatten(-1, (blocks, block))
     first = y.amax(-1).argmax(-1)  # [...]: the first block holding the maximum
     inside = y.gather(-2, first[..., None, None].expand(*first.shape, 1, block)).squeeze(-2).argmax(-1)
     return first * block + inside

@@ -142,7 +142,8 @@ def cost_key(runner, fixed=None) -> dict:
     from .packing import PackedLinear
 
     model = runner.model
-    compiled = {} if fixed is None else {"verify": "compiled", "rows": fixed.attention.rows, "kernels": fixed.kernels}
+    compiled = {} if fixed is None else {"verify": "compiled", "rows": fixed.attention.rows, "kernels": fixed.kernels,
+                                         "accept": fixed.accepts}  # with acceptance inside, or not
     return {
         **compiled,
         **model_identity(model),

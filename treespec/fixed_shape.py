@@ -57,8 +57,8 @@ from .kv_cache import PagedKVCache
 from .runner import ForwardOutput
 from .tree import Tree
 
-__all__ = ["FixedShapeVerify", "Accepted", "FixedRowsAttention", "BUCKETS", "bucket_for", "row_capacity", "fixed_row_tokens",
-           "tree_rows_mask", "ancestor_masks"]
+__all__ = ["FixedShapeVerify", "Accepted", "FixedRowsAttention", "BUCKETS", "bucket_for", "row_capacity",
+           "fixed_row_tokens", "tree_rows_mask", "ancestor_masks"]
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +66,8 @@ BUCKETS = (1, 4, 8, 16, 32, 64)  # tree tokens a row, root and padding included 
 KEY_STEP = 64  # a narrowed forward's key count is a multiple of this
 
 
-# model -> (its linears' kinds, rows, row capacity, block start, bucket, features) compiled in
-# this process: what precompile skips (dynamo's own cache holds the graphs)
+# model -> (its linears' kinds, rows, row capacity, block start, bucket, features, acceptance)
+# compiled in this process: what precompile skips (dynamo's own cache holds the graphs)
 _COMPILED: "weakref.WeakKeyDictionary[torch.nn.Module, set[tuple]]" = weakref.WeakKeyDictionary()
 
 
@@ -216,7 +216,8 @@ class FixedShapeVerify:
 
     Built once per request cache (its buffers live as long as the rows); :meth:`forward` takes
     the arguments the loop's tree forward has and returns what :meth:`ModelRunner.forward`
-    returns, falling back to it for a tree past the largest bucket or past its row.
+    returns (with ``accept``, the verdicts: :class:`Accepted`), falling back to it for a tree
+    past the largest bucket or past its row.
 
     Args:
         runner:  the target's :class:`~treespec.runner.ModelRunner`; forwards run while it is
@@ -335,7 +336,8 @@ class FixedShapeVerify:
         logits, features, packed = self._run(device, self._span(self._keys(N)), capture, self.accepts)
         self.fixed_forwards += 1
         if packed is not None:  # the step's one read back
-            return Accepted(verdicts_of(packed.tolist(), rows), None if features is None else [features[r] for r in rows])
+            kept = None if features is None else [features[r] for r in rows]
+            return Accepted(verdicts_of(packed.tolist(), rows), kept)
         return _per_request(logits, features, rows, [t.num_nodes for t in trees])
 
     def _bucket(self, n: int) -> tuple[_Bucket, _Bucket]:

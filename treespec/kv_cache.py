@@ -29,6 +29,19 @@ import torch
 __all__ = ["PagedKVCache", "CacheFullError", "as_slice"]
 
 
+@torch.library.custom_op("treespec::move_slots", mutates_args=("layers",))
+def move_slots(layers: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+    """``layer[dst] = layer[src]`` for each of ``layers`` (``[slots, ...]``), the rows read into a
+    copy first: :meth:`PagedKVCache.move` inside a compiled graph."""
+    for t in layers:
+        t.index_copy_(0, dst, t.index_select(0, src))
+
+
+@move_slots.register_fake
+def _(layers, src, dst) -> None:
+    return None
+
+
 class CacheFullError(RuntimeError):
     pass
 
@@ -225,11 +238,10 @@ class PagedKVCache:
             every = self._kv.view(2, len(self.k), -1, *self._kv.shape[4:])  # [2, layers, slots, Hkv, D]
             every.index_copy_(2, dst, every.index_select(2, src))
             return
-        # Compiled, through the views the forward writes (another alias of the storage as an input
-        # of the graph breaks inductor's frozen graphs); the graph fuses the layers' copies.
-        for fk, fv in self._flat:
-            fk.index_copy_(0, dst, fk.index_select(0, src))
-            fv.index_copy_(0, dst, fv.index_select(0, src))
+        # Compiled: one opaque operation over the views the forward writes (another alias of the
+        # storage as an input of the graph breaks inductor's frozen graphs), so that the read is a
+        # copy made before any write: a fused read-and-write kernel would race where the path skips.
+        move_slots([t for kv in self._flat for t in kv], src, dst)
 
     def gather(self, layer: int, slots: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V at flat ``slots`` (any shape of int64 indices; a slice gives views)."""

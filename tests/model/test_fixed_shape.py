@@ -196,34 +196,37 @@ def test_accepting_on_the_device_gives_the_hosts_verdicts_and_kv(compile):
     torch._dynamo.reset()
     model = model_of("llama", 2)
     runner = ModelRunner(model, "torch", feature_layers=[0, FINAL_NORM])
-    prompts = [[5, 9, 2, 7, 1], [3, 3], [8]]
-    tree_list = greedy_trees(model, prompts)
+    prompts = [[5, 9, 2, 7, 1], [3, 3], [8], [4, 4, 6]]  # the last: a finished request's row, all padding
+    tree_list = greedy_trees(model, prompts[:3])
     got = {}
     for device in (False, True):
-        cache, seqs = runner.new_rows_cache(3, fixed_row_tokens(8, 6, "compile" if compile else True), 4)
+        cache, seqs = runner.new_rows_cache(4, fixed_row_tokens(8, 6, "compile" if compile else True), 4)
         with runner.attached():
             runner.forward(cache, seqs, [torch.tensor(p) for p in prompts], [torch.arange(len(p)) for p in prompts],
                            [causal_mask(len(p)) for p in prompts], logits_rows=[[len(p) - 1] for p in prompts])
             for s_, p in zip(seqs, prompts):
                 cache.commit(s_, torch.arange(len(p)))
-            cached = [len(p) for p in prompts]
+            cached = [len(p) for p in prompts[:3]]
             if device:
                 verify = FixedShapeVerify(runner, cache, seqs, compile=compile, accept=True)
-                out = verify.forward(seqs, tree_list, cached, capture=True)
+                out = verify.forward(seqs[:3], tree_list, cached, capture=True)
                 verdicts, features = out.verdicts, [f[: len(v.path)] for f, v in zip(out.features, out.verdicts)]
                 keep = [range(len(v.path)) for v in verdicts]
             else:
-                out = runner.forward(cache, seqs, [t.tokens for t in tree_list],
+                out = runner.forward(cache, seqs[:3], [t.tokens for t in tree_list],
                                      [t.position_ids(L) for t, L in zip(tree_list, cached)],
                                      [t.attention_mask() for t in tree_list], capture=True)
                 verdicts = accept(tree_list, torch.stack([x.argmax(-1) for x in out.logits]))
                 features = [f[v.path] for f, v in zip(out.features, verdicts)]
                 keep = [v.path for v in verdicts]
+            keep[0] = keep[0][:2]  # an end (an EOS, the budget) after the first accepted token
             for s_, L, k in zip(seqs, cached, keep):
                 cache.commit(s_, [L + j for j in k])
-            got[device] = (verdicts, features, [cache.read(s_, 0, cache.seq_lens[s_]) for s_ in seqs])
+            # the rows verified (the padding row's K/V are scratch: its request ended, filed already)
+            got[device] = (verdicts, features, [cache.read(s_, 0, cache.seq_lens[s_]) for s_ in seqs[:3]])
     assert got[True][0] == got[False][0]
     assert [len(v.path) for v in got[True][0]] == [4, 4, 3]
+    assert [len(kv) for kv in got[True][2]] == [7, 6, 4]
     for a, b in zip(got[True][1] + got[True][2], got[False][1] + got[False][2]):
         assert a.shape == b.shape and (a - b).abs().max() < ATOL
 
@@ -388,10 +391,12 @@ def test_generate_compiled_gives_todays_tokens():
     assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
 
 
-def test_precompile_compiles_each_bucket_once_and_steps_compile_nothing():
+@pytest.mark.parametrize("accept", [False, True])
+def test_precompile_compiles_each_bucket_once_and_steps_compile_nothing(accept):
     """``precompile`` compiles every bucket up to the tree's (1, 4 and 8 here) before the first
     step; the steps then add no graph, and a second verify over a cache of the same shape
-    (the next generate call) compiles nothing, precompile included."""
+    (the next generate call) compiles nothing, precompile included; with acceptance inside the
+    body as without, and no graph break."""
     import torch._dynamo.utils as dynamo_utils
 
     torch._dynamo.reset()
@@ -401,7 +406,7 @@ def test_precompile_compiles_each_bucket_once_and_steps_compile_nothing():
     with runner.attached():
         for call in range(2):
             cache, seqs = runner.new_rows_cache(1, fixed_row_tokens(30, 8, "compile"), 4)
-            verify = FixedShapeVerify(runner, cache, seqs, compile=True)
+            verify = FixedShapeVerify(runner, cache, seqs, compile=True, accept=accept)
             seconds = verify.precompile(8, capture=True)
             graphs = dynamo_utils.counters["stats"]["unique_graphs"]
             if call == 0:

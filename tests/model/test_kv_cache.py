@@ -201,6 +201,29 @@ def test_commit_moves_every_layer_among_interleaved_pages(page_size, prefix, ahe
     assert torch.equal(at(b, list(range(n))), want_b)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_move_copies_before_it_writes(compiled):
+    """``PagedKVCache.move`` (what a fixed-shape step compacts its paths with), eagerly and
+    inside a compiled graph: three rows, paths that skip entries and overlap their targets
+    (row 0: 0, 2, 3, 7; row 2: 0, 5), every layer, K and V, the rest of each row unchanged."""
+    cache = PagedKVCache(3, 2, 4, num_pages=12, page_size=4)
+    cache._kv.copy_(torch.randn(cache._kv.shape, generator=torch.Generator().manual_seed(0)))
+    before = cache._kv.clone().view(2, 3, -1, 2, 4)
+    src = torch.tensor([[0, 2, 3, 7, 4, 5, 6, 7], [16, 17, 18, 19, 20, 21, 22, 23], [32, 37, 34, 35, 36, 37, 38, 39]])
+    dst = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7], [16, 17, 18, 19, 20, 21, 22, 23], [32, 33, 34, 35, 36, 37, 38, 39]])
+
+    def move(src, dst):
+        cache.move(src, dst)
+        return dst
+
+    (torch.compile(move, dynamic=False) if compiled else move)(src, dst)
+    after = cache._kv.view(2, 3, -1, 2, 4)
+    want = before.clone()
+    want[:, :, dst.reshape(-1)] = before[:, :, src.reshape(-1)]
+    assert torch.equal(after, want)
+    assert not torch.equal(after[:, :, [1, 2, 33]], before[:, :, [1, 2, 33]])  # entries did move
+
+
 # ---- page accounting ------------------------------------------------------------------------
 
 def test_pages_return_after_commit():

@@ -98,6 +98,9 @@ def fixed_verdicts(trees, choices, N: int, rows: int) -> list[Verdict]:
         tokens[i, :n], parents[i, :n], full[i, :n] = t.tokens, t.parents, torch.as_tensor(c)[:n]
     packed = accept_fixed(full, tokens, parents, ancestor_masks(parents))
     assert packed.shape == (rows, 1 + 2 * N) and packed.dtype == torch.int64
+    for row in packed.tolist():  # past the path, positions stay where they are; past the tokens, -1
+        a = row[0]
+        assert row[a + 2: N + 1] == list(range(a + 1, N)) and row[N + a + 2:] == [-1] * (N - a - 1)
     return verdicts_of(packed.tolist(), range(rows))
 
 
