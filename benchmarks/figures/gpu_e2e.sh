@@ -6,7 +6,7 @@
 # converts) is brought along, and the `gguf` package as a wheel (WHEELS=dir) where it is
 # missing. A run brings at most 64 MiB of files, so the GGUF comes in pieces, joined with cat
 # before this script runs; GGUF=... names the joined file.
-#   GGUF=/path/SmolLM2-135M-Instruct.Q4_1.gguf [WHEELS=dir] [N=5] [LIMIT=420] [GRAPHS=1] [HF_COMPILE=1] \
+#   GGUF=/path/SmolLM2-135M-Instruct.Q4_1.gguf [WHEELS=dir] [N=5] [LIMIT=420] [GRAPHS=1] [COMPILE=1] [HF_COMPILE=1] \
 #     bash benchmarks/figures/gpu_e2e.sh
 # Writes gpu-gsm8k$N.{json,txt,log,jsonl} (the hybrid's chain-3, the hybrid with auto, which
 # first measures this GPU's verify costs, and the head alone's chain-3) under $OUT, else
@@ -35,6 +35,12 @@ name=gpu-gsm8k$N
 if [ "${GRAPHS:-0}" = 1 ]; then
   bench+=(--cuda-graphs)
   name=$name-graphs
+fi
+# COMPILE=1: treespec's configurations also compiled (`--compile`: the verify on fixed shapes with greedy
+# acceptance inside it, one read back a step, and the head's passes compiled). Not yet run on a GPU.
+if [ "${COMPILE:-0}" = 1 ]; then
+  bench+=(--compile)
+  name=$name-compiled
 fi
 # HF_COMPILE=1: HF generate with a static cache and torch.compile beside plain HF generate (issue 47's
 # second baseline; its warm-up compiles, and the report says for how long). Not yet run on a GPU.
