@@ -37,7 +37,8 @@ if [ "${GRAPHS:-0}" = 1 ]; then
   name=$name-graphs
 fi
 # COMPILE=1: treespec's configurations also compiled (`--compile`: the verify on fixed shapes with greedy
-# acceptance inside it, one read back a step, and the head's passes compiled). Not yet run on a GPU.
+# acceptance inside it, one read back between the forward and the commit, and the head's passes compiled). Not yet
+# run on a GPU.
 if [ "${COMPILE:-0}" = 1 ]; then
   bench+=(--compile)
   name=$name-compiled
