@@ -79,7 +79,10 @@ def test_a_compiled_verify_is_priced_by_its_bucket(monkeypatch, tmp_path):
     key = cost_key(runner, fixed)
     assert key["verify"] == "compiled" and key["rows"] == 1
     assert key["kernels"] == "aten"  # eager here; compiled on a CPU: "inductor-gemm", a curve of its own
-    assert {k: v for k, v in key.items() if k not in ("verify", "rows", "kernels")} == cost_key(runner)
+    assert key["accept"] is False  # acceptance inside the forward (greedy runs) is a curve of its own too
+    assert {k: v for k, v in key.items() if k not in ("verify", "rows", "kernels", "accept")} == cost_key(runner)
+    fixed.accepts = True
+    assert cost_key(runner, fixed)["accept"] is True
 
 
 def test_cost_cache_round_trip_and_keys(monkeypatch, tmp_path):
