@@ -9,6 +9,9 @@
   after a prefix-cache hit.
 - Compiled (``torch.compile``, inductor, ``dynamic=False``): one graph per bucket, none more as
   the prefix grows, logits equal to the eager ones.
+- Acceptance inside the forward (``accept=True``, greedy): the host rule's verdicts, features
+  and committed K/V, eager and compiled; from the tree forward to the commit, one read back a
+  step and a score of operations outside the body (issue 47's proxy), the draft's counts printed.
 
 Targets are tiny (V = 64); fp32, one thread.
 """
