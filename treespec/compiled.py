@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["compile_fixed", "compile_for_model", "cpu_options", "templates_active", "GEMM_TEMPLATES",
+__all__ = ["compile_fixed", "compile_for_model", "own_code", "cpu_options", "templates_active", "GEMM_TEMPLATES",
            "SKIP_MODULE_GUARDS", "pow2_row", "RECOMPILE_LIMIT", "COMPILED_MIN_ROW", "COMPILED_VERIFY_ROW"]
 
 #: compiled versions dynamo keeps of one function: one per bucket and cache shape for the
@@ -116,6 +116,12 @@ SKIP_MODULE_GUARDS = True
 _PER_MODEL: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
+def own_code(fn: Callable) -> types.FunctionType:
+    """``fn`` on a copy of its code object: dynamo keeps compiled graphs (and guards) per code
+    object, so a copy compiles and is reset apart from every other use of ``fn``."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
 def compile_for_model(fn: Callable, model: torch.nn.Module, key, inductor: dict | None = None,
                       **compile_kwargs) -> Callable:
     """:func:`compile_fixed` of ``fn``, once per ``model`` and ``key``, on a code object of its own
@@ -133,7 +139,7 @@ def compile_for_model(fn: Callable, model: torch.nn.Module, key, inductor: dict 
     object of its own (inductor's on-disk cache still serves the graphs, which do not name it)."""
     per_model = _PER_MODEL.setdefault(model, {})
     if key not in per_model:
-        own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+        own = own_code(fn)
         if SKIP_MODULE_GUARDS:
             skip = torch.compiler.skip_guard_on_all_nn_modules_unsafe
             compile_kwargs = {**compile_kwargs, "options": {"guard_filter_fn": skip}}

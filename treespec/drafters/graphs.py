@@ -55,7 +55,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..compiled import COMPILED_MIN_ROW, COMPILED_VERIFY_ROW, compile_fixed, cpu_options, pow2_row
+from ..compiled import COMPILED_MIN_ROW, COMPILED_VERIFY_ROW, compile_fixed, cpu_options, own_code, pow2_row
 from ..fixed_shape import KEY_STEP
 from ..kv_cache import PagedKVCache
 from ..packing import dense_in_compiled_graphs
@@ -169,7 +169,7 @@ def _compiled_pass(device: torch.device) -> Callable:
         return compile_fixed(head_pass)
     # A code object of its own: dynamo keeps graphs per code object, and the weights are
     # constants of these graphs, which its guards (on the tensors' identity) do not see change.
-    own = types.FunctionType(head_pass.__code__.replace(), head_pass.__globals__, head_pass.__name__)
+    own = own_code(head_pass)
     compiled = compile_fixed(own, cpu_options())
 
     def run(*args):
