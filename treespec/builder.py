@@ -25,7 +25,7 @@ from .config import TreeConfig
 from .tree import Tree
 
 __all__ = ["Frontier", "DraftStep", "StopRule", "Constrain", "build_dynamic_trees", "build_static_trees",
-           "build_trees"]
+           "build_trees", "dynamic_pool", "best_of_pool", "trees_of"]
 
 
 @dataclass
@@ -111,6 +111,26 @@ def build_dynamic_trees(
         B trees with ``num_nodes`` drafted nodes each (fewer after an early stop), tokens and cumulative scores; nodes in
         pool order, so parents precede children.
     """
+    pool = dynamic_pool(root_logprobs, step, config, root_state, stop, constrain)
+    parents, tokens, scores = best_of_pool(*pool, config.num_nodes)
+    if (parents < 0).any():
+        raise AssertionError("dynamic tree is not ancestor-closed (non-finite draft scores?)")
+    return trees_of(root_tokens, parents, tokens, scores)
+
+
+def dynamic_pool(
+    root_logprobs: torch.Tensor,
+    step: DraftStep,
+    config: TreeConfig,
+    root_state=None,
+    stop: StopRule | None = None,
+    constrain: Constrain | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every candidate of an EAGLE-2 expansion (:func:`build_dynamic_trees`' arguments):
+    ``(scores float [B, P], tokens int64 [B, P], parents int64 [B, P])``, a node's parent its
+    pool index (-1: the root). Without ``stop`` and ``constrain`` it reads nothing back from the
+    device and its shapes are fixed by ``config``: what the draft graph of
+    :mod:`treespec.drafters.draft_graph` runs whole."""
     # long: one EAGLE-2 expansion, level by level; the frontier's tensors (scores, tokens, pool
     # indices, state, ancestors, paths) and the pool change together at every level
     if config.kind != "dynamic":
@@ -150,20 +170,20 @@ def build_dynamic_trees(
         if constrain is not None:
             path = torch.cat([path[arange_b, parent_slot], token[:, :, None]], dim=-1)
         offset += k * k
-
-    return _best_of_pool(torch.cat(pool_scores, 1), torch.cat(pool_tokens, 1), torch.cat(pool_parents, 1),
-                         config.num_nodes, root_tokens)
+    return torch.cat(pool_scores, 1), torch.cat(pool_tokens, 1), torch.cat(pool_parents, 1)
 
 
-def _best_of_pool(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, num_nodes: int,
-                  root_tokens: torch.Tensor) -> list[Tree]:
-    """Each request's ``num_nodes`` best-scored pool nodes (all, if the pool is smaller) as a tree.
+def best_of_pool(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
+                 num_nodes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each request's ``num_nodes`` best-scored pool nodes (all, if the pool is smaller), in
+    pool order: ``(parents, tokens, scores)`` ``[B, n]``, a parent its node index (0: the root,
+    nodes numbered from 1); a parent left out of the kept nodes (only with non-finite scores)
+    shows as -1. Fixed shapes, no read back.
 
     Args:
-        scores:      float ``[B, P]``: each pool node's cumulative log-probability.
-        tokens:      int64 ``[B, P]``.
-        parents:     int64 ``[B, P]``: each node's parent's pool index (-1: the root).
-        root_tokens: int64 ``[B]``.
+        scores:  float ``[B, P]``: each pool node's cumulative log-probability.
+        tokens:  int64 ``[B, P]``.
+        parents: int64 ``[B, P]``: each node's parent's pool index (-1: the root).
     """
     B, device = scores.shape[0], scores.device
     # A child's score never exceeds its parent's (log-probs are <= 0) and its pool index is
@@ -176,19 +196,20 @@ def _best_of_pool(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Ten
     node_of.scatter_(1, keep, torch.arange(1, n_keep + 1, device=device).expand(B, -1))
     kept_parents = parents.gather(1, keep)
     node_parents = torch.where(kept_parents < 0, 0, node_of.gather(1, kept_parents.clamp(min=0)))
-    if (node_parents < 0).any():
-        raise AssertionError("dynamic tree is not ancestor-closed (non-finite draft scores?)")
-    kept_tokens = tokens.gather(1, keep)
-    kept_scores = scores.gather(1, keep)
+    return node_parents, tokens.gather(1, keep), scores.gather(1, keep)
 
+
+def trees_of(root_tokens: torch.Tensor, parents: torch.Tensor, tokens: torch.Tensor,
+             scores: torch.Tensor) -> list[Tree]:
+    """The trees of :func:`best_of_pool`'s nodes under each request's root token (``[B]``)."""
     trees = []
     root_tokens = torch.as_tensor(root_tokens).reshape(-1).cpu()
-    for b in range(B):
+    for b in range(parents.shape[0]):
         trees.append(
             Tree(
-                torch.cat([torch.tensor([-1]), node_parents[b].cpu()]),
-                torch.cat([root_tokens[b : b + 1], kept_tokens[b].cpu()]),
-                torch.cat([torch.zeros(1), kept_scores[b].cpu()]),
+                torch.cat([torch.tensor([-1]), parents[b].cpu()]),
+                torch.cat([root_tokens[b : b + 1], tokens[b].cpu()]),
+                torch.cat([torch.zeros(1), scores[b].cpu()]),
             )
         )
     return trees

@@ -1,14 +1,21 @@
-"""The compiled default with greedy acceptance inside its verify forward against the same engine
-with the host's rule, paired prompt by prompt in one process (issue 47, item 3).
+"""The compiled default against itself with one piece of issue 47 toggled, paired prompt by prompt
+in one process: greedy acceptance inside its verify forward against the host's rule (item 3,
+``--toggle accept``, the default), or the head's whole draft in one graph against a pass a level
+(item 2, ``--toggle whole-draft``).
 
     python benchmarks/figures/accept_ab.py --dataset gsm8k --num-prompts 10 \\
         --out benchmarks/results/accept7-ab-gsm8k10.json
+    python benchmarks/figures/accept_ab.py --toggle whole-draft --dataset gsm8k --num-prompts 10 \\
+        --out benchmarks/results/whole-draft-ab-gsm8k10.json
 
 The two arms are `treespec generate --compile`'s engine (SmolLM2-135M on the GGUF's blocks and
 dense weights above them, `--weights gguf+dense`, bf16, 2 threads, the shipped head with prompt
 lookup, tree `auto`): the loop as it runs (greedy: acceptance inside the fixed-shape forward,
 ``FixedShapeVerify(accept=True)``), and the loop with the host's rule (the path sampled requests
-take: ``accept=False``, selected here by wrapping the loop's ``_fixed_verify``). Each prompt runs
+take: ``accept=False``, selected here by wrapping the loop's ``_fixed_verify``); or the head's
+compiled passes drafting every level of a tree in one compiled call
+(``EagleDrafter(whole_draft=True)``, :mod:`treespec.drafters.draft_graph`; it drafts every level,
+``auto``'s early stop not asked) against a pass a level with the early stop. Each prompt runs
 in both arms, their order alternating, after one warm-up call each (compiles untimed). Printed
 and written: each arm's tokens a second (all prompts together, and the median prompt), draft and
 verify milliseconds a step, tau, and on how many prompts the two arms wrote the same tokens
@@ -35,11 +42,13 @@ from treespec.cli.loading import check, load, stream_options  # noqa: E402
 from treespec.engine import loop  # noqa: E402
 from treespec.prompts import load_prompts  # noqa: E402
 
-ARMS = {True: "acceptance inside the forward", False: "the host's rule"}
+TOGGLES = {"accept": {True: "acceptance inside the forward", False: "the host's rule"},
+           "whole-draft": {True: "the whole draft in one graph", False: "a pass a level"}}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--toggle", choices=sorted(TOGGLES), default="accept")
     ap.add_argument("--dataset", default="gsm8k")
     ap.add_argument("--num-prompts", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -55,18 +64,16 @@ def main() -> None:
     drafter = loaded.drafters[cli.draft][0]
     prompts, _ = load_prompts(args.dataset, loaded.tokenizer, args.num_prompts)
     opts = stream_options(cli, sp, cfg)
-    arm = {"inside": True}
-    real = loop._fixed_verify
-    loop._fixed_verify = lambda runner, cache, seqs, max_nodes, metrics, accept: real(
-        runner, cache, seqs, max_nodes, metrics, accept and arm["inside"])
+    ARMS = TOGGLES[args.toggle]
+    set_arm = _toggle(args.toggle, drafter)
     runs = {True: [], False: []}
     with loaded.packed():
         for inside in ARMS:  # warm-up: each arm's graphs compiled, untimed
-            arm["inside"] = inside
+            set_arm(inside)
             treespec.generate(loaded.model, drafter, cfg, [list(prompts[0])], **{**opts, "max_new_tokens": 16})
         for i, p in enumerate(prompts):
             for inside in ((True, False) if i % 2 == 0 else (False, True)):
-                arm["inside"] = inside
+                set_arm(inside)
                 out = treespec.generate(loaded.model, drafter, cfg, [list(p)], **opts)
                 runs[inside].append((out.sequences[0], out.metrics))
     head = machine_line("bfloat16", "gguf+dense", "compiled")
@@ -87,8 +94,27 @@ def main() -> None:
     print(f"  the same tokens on {same} of {len(prompts)} prompts")
     if args.out:
         Path(args.out).write_text(json.dumps({
-            "command": command("benchmarks/figures/accept_ab.py", sys.argv[1:]), "machine": head, "arms": res,
+            "command": command("benchmarks/figures/accept_ab.py", sys.argv[1:]), "machine": head,
+            "toggle": args.toggle, "arms": res,
             "same_tokens": same, "prompts": len(prompts)}, indent=1) + "\n")
+
+
+def _toggle(toggle: str, drafter):
+    """``set_arm(on)``: turn the toggled piece on or off for the next ``generate``."""
+    if toggle == "whole-draft":
+        head = getattr(drafter, "primary", drafter)  # the hybrid's head
+
+        def set_arm(on: bool) -> None:
+            head.whole_draft = on
+        return set_arm
+    arm = {"inside": True}
+    real = loop._fixed_verify
+    loop._fixed_verify = lambda runner, cache, seqs, max_nodes, metrics, accept: real(
+        runner, cache, seqs, max_nodes, metrics, accept and arm["inside"])
+
+    def set_arm(on: bool) -> None:
+        arm["inside"] = on
+    return set_arm
 
 
 if __name__ == "__main__":

@@ -522,24 +522,59 @@ def test_two_models_of_one_shape_each_run_their_own_compiled_graphs():
 # ---- reads back to the host (issue 47, item 4's proxy) -------------------------------------------
 
 # What waits for the device on a GPU: a scalar read (item, int(), bool()), a comparison that
-# answers in Python, an output whose size depends on the data; ``tolist`` is counted apart
-# (it does not go through the dispatcher).
+# answers in Python, an output whose size depends on the data; ``tolist``, ``cpu`` and ``numpy``
+# are counted apart (they do not go through the dispatcher).
 READS = ("_local_scalar_dense", "item", "is_nonzero", "equal", "nonzero")
+HOST_DATA = ("lift_fresh", "lift", "lift_fresh_copy")  # torch.tensor(a list or an array): the host's
 
 
 class _Counts(TorchDispatchMode):
-    """ATen operations dispatched, by region: ``"captured"``, the fixed-shape verify's body (its
-    forward, the acceptance rule and the K/V's compaction: what a CUDA graph holds); ``"verify"``,
-    the rest of the loop's tree forward, verdicts and commit; ``"draft"``, everything else of a
-    step (the drafter's proposal and commit, the trees' pruning and sizing)."""
+    """ATen operations dispatched on the device's tensors, by region: ``"captured"``, the bodies a
+    CUDA graph holds (the fixed-shape verify's: its forward, the acceptance rule and the K/V's
+    compaction; the draft head's static passes and whole draft); ``"verify"``, the rest of the
+    loop's tree forward, verdicts and commit; ``"draft"``, everything else of a step (the
+    drafter's proposal and commit, the trees' pruning and sizing).
 
-    def __init__(self):
+    On a CPU every tensor is in one memory; a GPU keeps a tree's bookkeeping on the host, where an
+    operation launches nothing and a read waits for nothing. So a tensor counts as the device's
+    when it holds the modules' weights, when a captured body reads or writes it (the cache, the
+    buffers a graph reads), or when an operation makes it from a device tensor. An operation
+    counts when one of its tensors is the device's, when it runs in a captured body, or when it is
+    a factory (``zeros``, ``arange``: one meant for the host cannot be told apart from one meant
+    for the device, so all count, which can only count too much); a read counts on a device
+    tensor only. Tensors made from host data (lists, numpy) or by factories, and what is made from
+    them alone, stay the host's."""
+
+    def __init__(self, modules=()):
         super().__init__()
+        from torch.utils.weak import WeakTensorKeyDictionary
+
         self.region, self.ops = "draft", collections.Counter()
+        self.device = WeakTensorKeyDictionary()
+        for m in modules:
+            for t in (*m.parameters(), *m.buffers()):
+                self.device[t] = True
+
+    def on_device(self, t) -> bool:
+        return isinstance(t, torch.Tensor) and t in self.device
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[self.region, func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        captured, device = self.region == "captured", any(self.on_device(t) for t in inputs)
+        if captured or device or (not inputs and name not in HOST_DATA):
+            self.ops[self.region, name] += 1
+        if captured or device:
+            for t in (*inputs, *torch.utils._pytree.tree_leaves(out)):
+                if isinstance(t, torch.Tensor):
+                    self.device[t] = True
+        return out
+
+    def read(self, t, how: str) -> None:
+        """A ``tolist``, ``cpu`` or ``numpy`` of ``t``: a read when ``t`` is the device's."""
+        if self.on_device(t):
+            self.ops[self.region, how] += 1
 
     def enter(self, region: str, fn):
         """``fn`` with its dispatches counted in ``region``."""
@@ -554,38 +589,64 @@ class _Counts(TorchDispatchMode):
 
     def per_step(self, steps: int) -> dict:
         regions = ("captured", "verify", "draft")
-        reads = {r: sum(c for (w, op), c in self.ops.items() if w == r and (op in READS or op == "tolist"))
+        reads = {r: sum(c for (w, op), c in self.ops.items() if w == r and (op in READS or op in HOST_READS))
                  for r in regions}
         ops = {r: sum(c for (w, _), c in self.ops.items() if w == r) for r in regions}
         return {f"{k} {r}": round(v / steps, 2) for k, d in (("reads", reads), ("ops", ops)) for r, v in d.items()}
 
+    def breakdown(self, region: str, steps: int, top: int = 12) -> dict:
+        """The ``top`` operations of ``region``, a step."""
+        ops = collections.Counter({op: c for (w, op), c in self.ops.items() if w == region})
+        return {op: round(c / steps, 2) for op, c in ops.most_common(top)}
 
-def counts_per_step(kind: str, fixed: bool, monkeypatch, **kw) -> dict:
+
+HOST_READS = ("tolist", "cpu", "numpy")
+
+
+def graphed(drafter):
+    """``drafter`` (an EAGLE head, or a hybrid over one) with its head's passes on the fixed shapes
+    a GPU captures (``cuda_graphs=True``: the static passes and the whole draft), run uncaptured."""
+    from treespec.drafters import EagleDrafter, HybridDrafter
+    from treespec.drafters.graphs import GraphedRow
+
+    if isinstance(drafter, HybridDrafter):
+        return HybridDrafter(graphed(drafter.primary), drafter.lookup)
+    assert isinstance(drafter, EagleDrafter)
+    twin = type(drafter)(drafter.head, drafter.attention_backend, drafter.page_size, cuda_graphs=True)
+    twin.auto_calibration = drafter.auto_calibration
+    twin.graphed_row = GraphedRow(capture=False)
+    return twin
+
+
+def counts_per_step(kind: str, fixed: bool, monkeypatch, tree="cpu", on_graphs: bool = False, **kw):
     """Reads and operations per decoding step (prefill left out) of one generation (greedy
-    unless ``kw`` say otherwise)."""
+    unless ``kw`` say otherwise), and the counter."""
+    from treespec.drafters.draft_graph import DraftGraph
+    from treespec.drafters.graphs import _Pass
     from treespec.engine import loop
 
     model, drafter = pair(kind)
-    counts = _Counts()
+    if on_graphs:
+        drafter = graphed(drafter)
+    counts = _Counts([model, *drafter.modules()])
     for name in ("_tree_forward", "_verify", "_commit"):
         monkeypatch.setattr(loop, name, counts.enter("verify", getattr(loop, name)))
     monkeypatch.setattr(FixedShapeVerify, "_body", counts.enter("captured", FixedShapeVerify._body))
-    real_tolist = torch.Tensor.tolist
-
-    def tolist(self):
-        counts.ops[counts.region, "tolist"] += 1
-        return real_tolist(self)
-
-    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    monkeypatch.setattr(_Pass, "_body", counts.enter("captured", _Pass._body))
+    monkeypatch.setattr(DraftGraph, "_body", counts.enter("captured", DraftGraph._body))
+    for how in HOST_READS:
+        real = getattr(torch.Tensor, how)
+        monkeypatch.setattr(torch.Tensor, how, functools.partialmethod(
+            lambda self, *a, _how=how, _real=real, **k: counts.read(self, _how) or _real(self, *a, **k)))
     steps = 0
     with counts:
-        for out in treespec.stream(model, drafter, "cpu", [PROMPTS[0]], max_new_tokens=32, fixed_shapes=fixed,
+        for out in treespec.stream(model, drafter, tree, [PROMPTS[0]], max_new_tokens=32, fixed_shapes=fixed,
                                    attention_backend="torch", **kw):
             if out.step == 0:
                 counts.ops.clear()  # prefill and the draft session's start
             steps = out.step
     monkeypatch.undo()
-    return counts.per_step(steps)
+    return counts.per_step(steps), counts, steps
 
 
 @pytest.mark.parametrize("kind", ["ngram", "eagle3", "hybrid"])
@@ -594,16 +655,37 @@ def test_verify_to_commit_reads_the_host_once_a_step(kind, monkeypatch):
     acceptance rule and the K/V's compaction run in the one body a GPU captures, and the loop's
     stages from the tree forward to the commit read the device back once (the verdicts) and
     dispatch a score of operations outside it at most (the bucket's fill, the features handed on); today's
-    path reads a dozen times and more. Sampled, the rule runs on the host, and reads as today.
-    The draft's counts are printed beside (issue 47's item 2: not yet one graph)."""
-    today = counts_per_step(kind, False, monkeypatch)
-    fixed = counts_per_step(kind, True, monkeypatch)
+    path reads a dozen times and more. Sampled, the rule runs on the host, and reads as today."""
+    today, *_ = counts_per_step(kind, False, monkeypatch)
+    fixed, *_ = counts_per_step(kind, True, monkeypatch)
     print(f"\n{kind}: per step, today's path {today}\n{kind}: per step, fixed shapes {fixed}")
     assert fixed["reads captured"] == 0
     assert fixed["reads verify"] == 1 < today["reads verify"]
     assert fixed["ops verify"] <= 20 < today["ops verify"]
-    sampled = counts_per_step(kind, True, monkeypatch, temperature=0.8, seed=3)
+    sampled, *_ = counts_per_step(kind, True, monkeypatch, temperature=0.8, seed=3)
     assert sampled["reads verify"] > 1  # the rule on the host: the host's reads
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "hybrid"])
+def test_the_default_step_on_graphs_reads_the_device_twice(kind, monkeypatch):
+    """The default configuration (the head with lookup, ``auto`` trees; the head alone beside it)
+    with everything on the shapes a GPU captures: the verify's body, and the head's passes and
+    whole draft (``cuda_graphs=True``, run uncaptured here). A step reads the device twice, the
+    tree and the verdicts, against a score of reads level by level; the operations a GPU would
+    launch outside the captured bodies are printed (issue 47's budget is 40: not met yet, the
+    draft's commit pass is filled and launched apart), and held under today's count."""
+    from helpers.cost_curves import MID
+
+    from treespec import AutoProfile
+
+    kw = dict(tree="auto", auto_profile=AutoProfile(costs=MID))
+    level, *_ = counts_per_step(kind, True, monkeypatch, **kw)
+    whole, counts, steps = counts_per_step(kind, True, monkeypatch, on_graphs=True, **kw)
+    print(f"\n{kind}, auto: per step, fixed shapes, a pass a level {level}\n{kind}, auto: per step, on graphs {whole}"
+          f"\n  outside the bodies: {counts.breakdown('draft', steps)} {counts.breakdown('verify', steps)}")
+    assert whole["reads captured"] == 0
+    assert whole["reads verify"] + whole["reads draft"] == 2 < level["reads verify"] + level["reads draft"]
+    assert whole["ops verify"] + whole["ops draft"] <= 55 < level["ops draft"]
 
 
 def _has_avx512() -> bool:

@@ -62,7 +62,7 @@ from ..packing import dense_in_compiled_graphs
 
 log = logging.getLogger(__name__)
 
-__all__ = ["StaticPasses", "GraphedRow"]
+__all__ = ["StaticPasses", "GraphedRow", "head_pass", "compiled_on", "capture_graph"]
 
 
 class StaticPasses:
@@ -85,6 +85,7 @@ class StaticPasses:
             raise ValueError("static head passes are captured in CUDA graphs or compiled, not both")
         self.max_entries = max_entries
         self.passes: dict[int, _Pass] = {}
+        self.drafts: dict[tuple, object] = {}  # (depth, top_k, nodes) -> its whole draft (draft_graph.py)
         self._compiled_once = False
         self._shared = _Shared(head, keys, values, head.rope_table(keys.shape[0]),  # positions < L + m <= C
                                torch.cuda.graph_pool_handle() if capture else None,  # one pool for all shapes
@@ -162,14 +163,20 @@ class StaticPasses:
 
 
 def _compiled_pass(device: torch.device) -> Callable:
-    """:func:`head_pass` compiled; on a CPU with the head's weights frozen into the graph, so
-    that inductor generates its products (:func:`~treespec.compiled.cpu_options`), packed
-    layers included (:func:`~treespec.packing.dense_in_compiled_graphs`)."""
+    """:func:`head_pass` compiled (:func:`compiled_on`)."""
+    return compiled_on(head_pass, device)
+
+
+def compiled_on(fn: Callable, device: torch.device) -> Callable:
+    """``fn`` (a function of the head and its row, :func:`head_pass` or the whole draft)
+    compiled; on a CPU with the head's weights frozen into the graph, so that inductor generates
+    its products (:func:`~treespec.compiled.cpu_options`), packed layers included
+    (:func:`~treespec.packing.dense_in_compiled_graphs`)."""
     if device.type != "cpu":
-        return compile_fixed(head_pass)
+        return compile_fixed(fn)
     # A code object of its own: dynamo keeps graphs per code object, and the weights are
     # constants of these graphs, which its guards (on the tensors' identity) do not see change.
-    own = own_code(head_pass)
+    own = own_code(fn)
     compiled = compile_fixed(own, cpu_options())
 
     def run(*args):
@@ -264,17 +271,7 @@ class _Pass:
         self.replays += 1
 
     def _capture(self) -> None:
-        # Warm up on a side stream (lazy initialisation, kernel choice), as torch.cuda.graphs
-        # asks, then capture; the passes' K/V writes are idempotent, so running twice is safe.
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._body()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.owner.pool):
-            self._body()
-        self.graph = graph
+        self.graph = capture_graph(self._body, self.owner.pool)
         log.debug("captured the draft head's pass of %d entries in a CUDA graph", self.n)
 
     def _body(self) -> None:
@@ -290,6 +287,21 @@ class _Pass:
         # StaticPasses.run hands out clones taken right after this shape's launch.
         self.states, self.logp = run(owner.head, owner.keys, owner.values, owner.rope[0], owner.rope[1],
                                      self.tokens, self.hidden, self.positions, self.slots, mask)
+
+
+def capture_graph(body: Callable[[], None], pool) -> "torch.cuda.CUDAGraph":
+    """``body`` captured in a CUDA graph (in the memory ``pool``), on the current device. Warmed
+    up on a side stream first (lazy initialisation, kernel choice), as torch.cuda.graphs asks:
+    the bodies' K/V writes are idempotent, so running twice is safe."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        body()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        body()
+    return graph
 
 
 def head_pass(head, keys, values, cos_table, sin_table, tokens, hidden, positions, slots, mask):
@@ -339,10 +351,13 @@ class GraphedRow:
         self._weights: tuple = ()
         self._holder: Callable[[], object] | None = None  # a weak reference to the borrowing session
 
-    def lend(self, session, head, tokens: int, max_entries: int, make_cache: Callable[[int], tuple]):
+    def lend(self, session, head, tokens: int, max_entries: int, make_cache: Callable[[int], tuple],
+             prepare: Callable[["StaticPasses"], float] | None = None):
         """``(cache, seq, passes)`` for ``session``, its row holding at least ``tokens`` entries
         and empty, or None while another live session holds it. ``make_cache(tokens)`` makes a
-        one-row cache as the session would (``PagedKVCache.with_rows``)."""
+        one-row cache as the session would (``PagedKVCache.with_rows``); ``prepare(passes)``,
+        run before the row is zeroed, compiles what else the session runs over it (its whole
+        draft) and returns the seconds it took."""
         if self._holder is not None and self._holder() is not None:
             return None
         weights = _addresses(head)
@@ -366,7 +381,8 @@ class GraphedRow:
         else:
             self.cache.truncate(self.seq, 0)
             self.passes.max_entries = max(self.passes.max_entries, max_entries)
-        self.compile_seconds = self.passes.precompile()  # compiled: before any step (its padding's K/V are zeroed next)
+        # compiled: before any step (its padding's K/V are zeroed next)
+        self.compile_seconds = self.passes.precompile() + (prepare(self.passes) if prepare is not None else 0.0)
         # Zeroed: every pass reads the whole row, and a masked key still turns the softmax to
         # NaN if it is not finite (say, a tree node of an earlier request's diverged head).
         self.passes.keys.zero_()
