@@ -19,7 +19,7 @@ from helpers.references import hf_greedy
 from helpers.tiny import assert_sessions_draft_alike, dynamic_configs
 from treespec import TreeConfig
 from treespec.drafters.base import DraftStart
-from treespec.drafters.draft_graph import DraftGraph, draft_graph_for
+from treespec.drafters.draft_graph import DraftGraph, commit_pass_for, draft_graph_for
 from treespec.drafters.graphs import GraphedRow
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is faster
@@ -70,7 +70,8 @@ def test_whole_draft_is_the_level_by_level_draft(eagle_ckpts, kind, dtype, seed,
 
 def test_a_tree_past_the_row_rules_and_static_shapes_draft_level_by_level(eagle_ckpts, monkeypatch):
     """Where the whole draft cannot run, the session drafts as before: a tree whose frontiers
-    would pass the row's end, a request with generation rules, a static tree shape."""
+    would pass the row's end, a request with generation rules, a static tree shape; a commit past
+    the row's end goes through the session's other passes; ids of another dtype are refused."""
     launches = count_launches(monkeypatch)
     model = eagle_target("eagle3")
     drafter = treespec.load_draft(eagle_ckpts("eagle3")[0], model, whole_draft=True)
@@ -82,6 +83,10 @@ def test_a_tree_past_the_row_rules_and_static_shapes_draft_level_by_level(eagle_
     assert graph.fits(3) and not graph.fits(s.static.capacity - graph.reach + 1) and not graph.fits(0)
     s.cache.seq_lens[s.seq[0]] = s.static.capacity - graph.reach + 1  # as if the row were nearly full
     assert s._propose_whole([0], [4]) is None
+    s.cache.seq_lens[s.seq[0]] = s.static.capacity - 1  # a commit of two would pass the row's end
+    assert s._commit_whole([0], [[5, 6]], [torch.zeros(2, 3 * 32)]) is False
+    with pytest.raises(TypeError, match="int64"):
+        commit_pass_for(s.static, 2).run(torch.tensor([5, 6], dtype=torch.int32), torch.zeros(2, 3 * 32), 3)
     s.cache.seq_lens[s.seq[0]] = 3
     s.ctx.rules = [object()]  # any rule: masked per path on the host
     assert s._propose_whole([0], [4]) is None

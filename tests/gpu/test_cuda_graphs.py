@@ -58,6 +58,9 @@ def test_cuda_graph_drafter_greedy_equals_hf_generate(tree):
     passes = graphed.graphed_row.passes.passes
     assert passes and all(p.graph is not None for p in passes.values())
     assert sum(p.replays for p in passes.values()) > 2 * len(passes)
+    drafts = graphed.graphed_row.passes.drafts  # dynamic trees: drafted whole, one graph a configuration
+    assert (len(drafts) == 1 and all(d.graph is not None and d.replays > 2 for d in drafts.values())
+            if tree != "chain-3" else not drafts)
 
     uncaptured = Eagle3Drafter(graphed.head, cuda_graphs=True)  # the same weights, the same row length
     uncaptured.graphed_row = GraphedRow(capture=False)
@@ -81,10 +84,35 @@ def test_cuda_graphs_replay_the_eager_static_passes():
     sessions = [drafter.start(model, DraftStart([prompt[:n]], [prompt[n]], [feats[:n]], 24, cfg)) for _ in range(2)]
     for s, capture in zip(sessions, (False, True)):
         s.use_static_passes(capture=capture)
+        s.whole_draft = False  # a pass a level (the whole draft: the next test)
     assert_sessions_draft_alike(sessions, prompt, feats, n, (1, 3, 2, 1, 4), cfg.depth)
     graphs = sessions[1].static.passes
     assert graphs and all(p.graph is not None and p.replays for p in graphs.values())
     assert set(graphs) == set(sessions[0].static.passes)  # one per shape: levels (top_k) and commit sizes
+
+
+def test_a_captured_whole_draft_drafts_the_eager_level_by_level_trees():
+    """The whole draft and the commit passes captured in CUDA graphs (treespec/drafters/draft_graph.py)
+    draft the trees of the same head's static passes run eagerly a level at a time, bit for bit,
+    through proposals and commits of several sizes; the draft's graph captured once and replayed
+    every step."""
+    model, drafter = gpu_eagle(6)
+    prompt = list(range(3, 40))
+    with torch.no_grad():
+        hs = model(torch.tensor([prompt], device="cuda"), output_hidden_states=True).hidden_states
+    feats = torch.cat([hs[i][0] for i in drafter.features_for(model)], -1)
+    cfg = treespec.TreeConfig.preset("eagle2")
+    n = 20
+    sessions = [drafter.start(model, DraftStart([prompt[:n]], [prompt[n]], [feats[:n]], 24, cfg)) for _ in range(2)]
+    for s, whole in zip(sessions, (False, True)):
+        s.use_static_passes(capture=whole)
+        s.whole_draft = whole
+    assert_sessions_draft_alike(sessions, prompt, feats, n, (1, 3, 2, 1, 4), cfg.depth)
+    (graph,) = sessions[1].static.drafts.values()
+    assert graph.graph is not None and graph.replays == 5
+    commits = sessions[1].static.commits  # commits of 1, 2, 3 and 4 entries, each captured
+    assert sorted(commits) == [1, 2, 3, 4] and all(c.graph is not None for c in commits.values())
+    assert not sessions[0].static.drafts and not sessions[0].static.commits
 
 
 def test_cuda_graphs_are_recaptured_when_the_head_moves():

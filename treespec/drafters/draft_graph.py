@@ -15,6 +15,12 @@ step on an H200). :func:`draft_tree` is the same draft as one function of fixed 
   target's ids, packed in one ``[3, N]`` tensor (parents, tokens, scores) that the host reads
   once: the step's one read for the draft.
 
+Its partner :class:`CommitPass` is the commit's pass of the ``n`` accepted tokens as one function
+too (:func:`commit_row`): their features projected, their mask, positions and slots made from L,
+the head's pass, and the last entry's log-probabilities and state written into the row's root
+buffers (``StaticPasses.root``), where the next whole draft reads them. So a step of the draft
+fills three buffers (the accepted tokens, their features, L), launches twice and reads once.
+
 :class:`DraftGraph` holds its input buffers (the root's log-probabilities and state, L) over a
 :class:`StaticPasses` row and runs it eagerly, compiled (on a CPU with the head's weights frozen
 into the graph, over the row's keys in use rounded up to ``KEY_STEP``) or captured in one CUDA
@@ -45,7 +51,7 @@ from .graphs import StaticPasses, capture_graph, compiled_on, head_pass
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DraftGraph", "draft_tree", "draft_graph_for"]
+__all__ = ["DraftGraph", "CommitPass", "draft_tree", "commit_row", "draft_graph_for", "commit_pass_for"]
 
 
 def draft_graph_for(static: StaticPasses, config: TreeConfig) -> "DraftGraph":
@@ -59,47 +65,56 @@ def draft_graph_for(static: StaticPasses, config: TreeConfig) -> "DraftGraph":
     return static.drafts[key]
 
 
-class DraftGraph:
-    """The buffers, and once captured the graph, of one tree configuration's whole draft over a
-    :class:`StaticPasses` row (use :func:`draft_graph_for`)."""
+def commit_pass_for(static: StaticPasses, n: int) -> "CommitPass":
+    """The commit pass of ``n`` entries over ``static``'s row, made on first use and kept."""
+    if n not in static.commits:
+        static.commits[n] = CommitPass(static, n)
+    return static.commits[n]
 
-    def __init__(self, static: StaticPasses, config: TreeConfig):
+
+def root_of(static: StaticPasses) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row's root buffers: fp32 log-probabilities ``[1, Vd]`` and state ``[1, 1, H]``."""
+    if static.root is None:
+        head = static._shared.head
+        c, p = head.config, next(head.parameters())
+        width = c.draft_vocab_size if c.eagle3 else c.vocab_size
+        static.root = (torch.zeros(1, width, dtype=torch.float32, device=p.device),
+                       torch.zeros(1, 1, c.hidden_size, dtype=p.dtype, device=p.device))
+    return static.root
+
+
+class _Launched:
+    """A body over a :class:`StaticPasses` row run eagerly, compiled or captured (as the row's
+    passes are): subclasses hold the buffers and define :meth:`_body`."""
+
+    def __init__(self, static: StaticPasses, fn):
         shared = static._shared
-        self.static, self.config = static, config
-        dev = shared.keys.device
-        self.cached = torch.zeros((), dtype=torch.int64, device=dev)  # L: the row's committed entries
-        self.cols = torch.arange(shared.capacity, device=dev)  # the row's key indices
-        self.root_logp: torch.Tensor | None = None  # [1, Vd] fp32, made at the first fill
-        self.root_state: torch.Tensor | None = None  # [1, 1, H]
+        self.static = static
+        self.cached = torch.zeros((), dtype=torch.int64, device=shared.keys.device)  # L: the row's committed entries
+        self.cols = torch.arange(shared.capacity, device=shared.keys.device)  # the row's key indices
         self.keys_in_use = shared.capacity
-        self.out: torch.Tensor | None = None  # [3, N] float64: parents, target ids, scores
         self.graph = None
         self.replays = 0
-        self._run = compiled_on(draft_tree, dev) if shared.compiled is not None else draft_tree
+        self._run = fn
+        if shared.compiled is not None:  # one compiled function a body, for the row: dynamic sizes share it
+            key = (fn, self._key())
+            if key not in static.compiled_bodies:
+                static.compiled_bodies[key] = compiled_on(fn, shared.keys.device)
+            self._run = static.compiled_bodies[key]
         self._compiled_once = False
 
-    @property
-    def reach(self) -> int:
-        """Entries past L the draft writes: its levels' frontiers."""
-        return (self.config.depth - 1) * self.config.top_k
-
-    def fits(self, cached: int) -> bool:
-        return cached >= 1 and cached + self.reach <= self.static.capacity
-
-    def fill(self, root_logp: torch.Tensor, root_state: torch.Tensor, cached: int) -> None:
-        """The root's fp32 log-probabilities ``[Vd]`` and state ``[1, H]``, and L (the root's
-        entry is the row's entry L-1)."""
-        if not self.fits(cached):
-            raise ValueError(f"a whole draft of {self.reach} entries past {cached} does not fit the row of "
-                             f"{self.static.capacity}")
-        if self.root_logp is None:
-            self.root_logp = torch.zeros((1, root_logp.shape[-1]), dtype=torch.float32, device=self.cached.device)
-            self.root_state = torch.zeros((1, *root_state.shape), dtype=root_state.dtype, device=self.cached.device)
-        self.root_logp.copy_(root_logp.reshape(1, -1))
-        self.root_state.copy_(root_state.reshape(self.root_state.shape))
+    def _set_cached(self, cached: int, reach: int) -> None:
+        """L, and the keys a compiled CPU body reads: those in use (``cached + reach``) rounded up."""
         self.cached.fill_(cached)
         if self.static._shared.narrow:
-            self.keys_in_use = min(self.static.capacity, -(-(cached + self.reach) // KEY_STEP) * KEY_STEP)
+            self.keys_in_use = min(self.static.capacity, -(-(cached + reach) // KEY_STEP) * KEY_STEP)
+
+    def _cols(self) -> torch.Tensor:
+        if not self.static._shared.narrow:
+            return self.cols
+        cols = self.cols[:self.keys_in_use]  # the row's first K keys, K a symbolic size of the graph
+        torch._dynamo.mark_dynamic(cols, 0)
+        return cols
 
     @torch.inference_mode()
     def launch(self) -> None:
@@ -110,18 +125,128 @@ class DraftGraph:
         with torch.cuda.device(shared.keys.device):
             if self.graph is None:
                 self.graph = capture_graph(self._body, shared.pool)
-                log.debug("captured the whole draft of %s in a CUDA graph", self.config)
+                log.debug("captured %s in a CUDA graph", self)
             self.graph.replay()
         self.replays += 1
 
+    def _key(self):
+        """What tells this body's compiled function apart from the row's others of the same code."""
+        return None
+
+    def _body(self) -> None:
+        raise NotImplementedError
+
+    def _precompile(self, fill, reach: int) -> float:
+        """Compiled: ``fill()`` padding, then compile on it (writes K/V into the row: call it
+        before the row is zeroed for a request). The seconds it took (0 when not compiled or
+        already done)."""
+        if self.static._shared.compiled is None or self._compiled_once:
+            return 0.0
+        start = time.perf_counter()
+        fill()
+        if self.static._shared.narrow:  # a key count unlike any other size of the graph, so none is taken for it
+            self.keys_in_use = min(self.static.capacity, -(-(1 + reach) // KEY_STEP) * KEY_STEP + 1)
+        self.launch()
+        self._compiled_once = True
+        seconds = time.perf_counter() - start
+        log.info("compiled %s in %.0f s", self, seconds)
+        return seconds
+
+
+class CommitPass(_Launched):
+    """The commit's pass of ``n`` entries over a :class:`StaticPasses` row (use
+    :func:`commit_pass_for`): the accepted tokens and their target features in, the row's root
+    buffers out. Compiled, one graph for one entry and one for every size from two (the buffers'
+    size marked dynamic), as the row's passes."""
+
+    def __init__(self, static: StaticPasses, n: int):
+        super().__init__(static, commit_row)
+        head = static._shared.head
+        c, p = head.config, next(head.parameters())
+        self.n = n
+        self.tokens = torch.zeros(n, dtype=torch.int64, device=p.device)
+        self.features = torch.zeros(n, head.fc.in_features if c.eagle3 else c.hidden_size, dtype=p.dtype,
+                                    device=p.device)
+        if static._shared.compiled is not None and n >= 2:
+            for t in (self.tokens, self.features):
+                torch._dynamo.mark_dynamic(t, 0)
+
+    def __repr__(self):
+        return f"the draft head's commit pass of {self.n} entries"
+
+    def fits(self, cached: int) -> bool:
+        return cached + self.n <= self.static.capacity and self.n <= self.static.max_entries
+
+    @torch.inference_mode()
+    def run(self, tokens: torch.Tensor, features: torch.Tensor, cached: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Entries L .. L+n-1 of the row from the accepted ``tokens`` (int64 ``[n]``) and their
+        target ``features`` ``[n, F]``; the root's fp32 log-probabilities ``[Vd]`` and state
+        ``[1, H]`` after them: views of the row's root buffers, which the next commit overwrites."""
+        if tokens.dtype != torch.int64:
+            raise TypeError(f"commit pass: tokens must be int64 (the buffers it was built with), got {tokens.dtype}")
+        self.tokens.copy_(tokens)
+        self.features.copy_(features)
+        self._set_cached(cached, self.n)
+        self.launch()
+        logp, state = root_of(self.static)
+        return logp[0], state[0]
+
     def _body(self) -> None:
         shared = self.static._shared
-        cols = self.cols
-        if shared.narrow:  # the row's first K keys, K a symbolic size of the graph
-            cols = cols[:self.keys_in_use]
-            torch._dynamo.mark_dynamic(cols, 0)
-        self.out = self._run(shared.head, shared.keys, shared.values, shared.rope[0], shared.rope[1],
-                             self.root_logp, self.root_state, self.cached, cols, self.config)
+        logp, state = root_of(self.static)
+        self._run(shared.head, shared.keys, shared.values, shared.rope[0], shared.rope[1], self.tokens,
+                  self.features, self.cached, self._cols(), logp, state)
+
+    def precompile(self) -> float:
+        def fill():
+            self.tokens.zero_()
+            self.features.zero_()
+            self.cached.fill_(1)
+        return self._precompile(fill, self.n)
+
+
+class DraftGraph(_Launched):
+    """The whole draft of one tree configuration over a :class:`StaticPasses` row (use
+    :func:`draft_graph_for`): the row's root buffers and L in, the tree out."""
+
+    def __init__(self, static: StaticPasses, config: TreeConfig):
+        self.config = config
+        super().__init__(static, draft_tree)
+        self.out: torch.Tensor | None = None  # [3, N] float64: parents, target ids, scores
+
+    def __repr__(self):
+        return f"the whole draft of {self.config}"
+
+    def _key(self):
+        return self.config.depth, self.config.top_k, self.config.num_nodes
+
+    @property
+    def reach(self) -> int:
+        """Entries past L the draft writes: its levels' frontiers."""
+        return (self.config.depth - 1) * self.config.top_k
+
+    def fits(self, cached: int) -> bool:
+        return cached >= 1 and cached + self.reach <= self.static.capacity
+
+    def fill(self, root_logp: torch.Tensor, root_state: torch.Tensor, cached: int) -> None:
+        """The root's fp32 log-probabilities ``[Vd]`` and state ``[1, H]`` (copied into the row's
+        root buffers unless they are those buffers, as a :class:`CommitPass` leaves them), and L
+        (the root's entry is the row's entry L-1)."""
+        if not self.fits(cached):
+            raise ValueError(f"a whole draft of {self.reach} entries past {cached} does not fit the row of "
+                             f"{self.static.capacity}")
+        logp, state = root_of(self.static)
+        if root_logp.data_ptr() != logp.data_ptr():
+            logp[0].copy_(root_logp)
+        if root_state.data_ptr() != state.data_ptr():
+            state[0].copy_(root_state)
+        self._set_cached(cached, self.reach)
+
+    def _body(self) -> None:
+        shared = self.static._shared
+        logp, state = root_of(self.static)
+        self.out = self._run(shared.head, shared.keys, shared.values, shared.rope[0], shared.rope[1], logp, state,
+                             self.cached, self._cols(), self.config)
 
     @torch.inference_mode()
     def draft(self, root_logp: torch.Tensor, root_state: torch.Tensor, cached: int, root: int) -> Tree:
@@ -136,24 +261,11 @@ class DraftGraph:
 
     @torch.inference_mode()
     def precompile(self) -> float:
-        """Compiled: compile the draft now, on padding, so that no step waits for it. Writes K/V
-        into the row past its first entry: call it before the row is zeroed for a request.
-        Returns the seconds it took (0 when not compiled or already done)."""
-        if self.static._shared.compiled is None or self._compiled_once:
-            return 0.0
-        start = time.perf_counter()
-        head = self.static._shared.head
-        c = head.config
-        width = c.draft_vocab_size if c.eagle3 else c.vocab_size
-        p = next(head.parameters())
-        self.fill(torch.zeros(width), torch.zeros(1, c.hidden_size, dtype=p.dtype, device=p.device), 1)
-        if self.static._shared.narrow:  # a key count unlike any other size of the graph, so none is taken for it
-            self.keys_in_use = min(self.static.capacity, -(-(1 + self.reach) // KEY_STEP) * KEY_STEP + 1)
-        self.launch()
-        self._compiled_once = True
-        seconds = time.perf_counter() - start
-        log.info("compiled the whole draft of %s in %.0f s", self.config, seconds)
-        return seconds
+        def fill():
+            for t in root_of(self.static):
+                t.zero_()
+            self.cached.fill_(1)
+        return self._precompile(fill, self.reach)
 
 
 def draft_tree(head, keys, values, cos_table, sin_table, root_logp, root_state, cached, cols,
@@ -185,3 +297,17 @@ def draft_tree(head, keys, values, cos_table, sin_table, root_logp, root_state, 
 
     parents, tokens, scores = best_of_pool(*dynamic_pool(root_logp, step, config, root_state), config.num_nodes)
     return torch.stack([parents[0].double(), head.draft_to_target(tokens[0]).double(), scores[0].double()])
+
+
+def commit_row(head, keys, values, cos_table, sin_table, tokens, features, cached, cols, root_logp, root_state):
+    """The commit's pass of ``n`` entries: the head reads the accepted ``tokens`` (int64 ``[n]``)
+    with their target ``features`` ``[n, F]`` (projected here) at positions and row slots
+    ``L .. L+n-1``, each entry seeing the row's keys up to its own; the last entry's fp32
+    log-probabilities and state go to ``root_logp`` ``[1, Vd]`` and ``root_state`` ``[1, 1, H]``.
+    ``cached``: L, 0-dim int64; ``cols``: ``0 .. K-1``, the row's keys a pass reads."""
+    positions = cached + torch.arange(tokens.shape[0], device=cols.device)
+    mask = cols[None] <= positions[:, None]
+    states, logp = head_pass(head, keys, values, cos_table, sin_table, tokens, head.project(features), positions,
+                             positions, mask)
+    root_logp.copy_(logp[-1:])
+    root_state.copy_(states[-1:][None])

@@ -28,7 +28,7 @@ from ..tree import Tree
 from .base import DraftSession, DraftStart, Drafter
 from .eagle_head import EagleHead, HeadConfig, eagle3_feature_layers, load_head
 from .eagle_passes import PackedPasses, RowPasses, StaticRowPasses
-from .draft_graph import draft_graph_for
+from .draft_graph import commit_pass_for, draft_graph_for
 from .graphs import GraphedRow, StaticPasses
 
 # EagleHead, HeadConfig and eagle3_feature_layers live in eagle_head; named here too, where
@@ -189,7 +189,7 @@ class EagleSession(DraftSession):
             log.warning("static head passes (CUDA graphs, compiled) serve one request at a time: these %d requests "
                         "are drafted eagerly", count)
             return None
-        prepare = (lambda static: draft_graph_for(static, self.cfg).precompile()) if self.whole_draft else None
+        prepare = self._precompile_whole if self.whole_draft else None
         lent = drafter.graphed_row.lend(self, self.head, longest, self.room,
                                         lambda tokens: self._rows(drafter, 1, tokens), prepare)
         if lent is None:
@@ -197,6 +197,12 @@ class EagleSession(DraftSession):
         else:
             self.compile_seconds = drafter.graphed_row.compile_seconds
         return lent
+
+    def _precompile_whole(self, static: StaticPasses) -> float:
+        """Compiled: the whole draft and the commit passes (one entry, two or more) over the
+        row, before any step."""
+        return (draft_graph_for(static, self.cfg).precompile()
+                + sum(commit_pass_for(static, n).precompile() for n in (1, 2) if n <= static.max_entries))
 
     def _prompt_entries(self, ctx: DraftStart) -> tuple[list[list[int]], list[torch.Tensor]]:
         """Per request, the tokens and target features of its prompt's entries that the head has
@@ -235,7 +241,7 @@ class EagleSession(DraftSession):
         """Draft extend: entries (f_i, token_i) for committed tokens, then the root's
         log-probs and state for the next tree. ``passes``: the strategy to run them on (None:
         the session's)."""
-        if not requests:
+        if not requests or (passes is None and self._commit_whole(requests, tokens, features)):
             return
         from ..mask import causal_mask
 
@@ -298,6 +304,24 @@ class EagleSession(DraftSession):
             toks[0] = root
             out.append(t.with_tokens(toks, t.scores))
         return out
+
+    def _commit_whole(self, requests, tokens, features) -> bool:
+        """With ``whole_draft``: the lone request's commit in one pass over its row, the root for
+        the next whole draft left in the row's buffers (:class:`CommitPass`); False where it
+        cannot be (as for :meth:`_propose_whole`, or more entries than the passes take)."""
+        static = self.static
+        if not self.whole_draft or static is None or len(requests) != 1:
+            return False
+        (r,), (t,), (f,) = requests, tokens, features
+        seq = self.seq[r]
+        L = self.cache.seq_lens[seq]
+        commit = commit_pass_for(static, len(t))
+        if not commit.fits(L) or self.cache.block_rows([seq], L + len(t)) is None:
+            return False
+        self.cache.reserve(seq, L + len(t))
+        self.root_logp[r], self.root_state[r] = commit.run(torch.tensor(t), f, L)
+        self.cache.commit(seq, range(L, L + len(t)))
+        return True
 
     def _propose_whole(self, requests, roots) -> list[Tree] | None:
         """The lone request's tree drafted whole, in one graph (``whole_draft``), or None where it

@@ -85,7 +85,13 @@ class StaticPasses:
             raise ValueError("static head passes are captured in CUDA graphs or compiled, not both")
         self.max_entries = max_entries
         self.passes: dict[int, _Pass] = {}
-        self.drafts: dict[tuple, object] = {}  # (depth, top_k, nodes) -> its whole draft (draft_graph.py)
+        # draft_graph.py's, kept with the row whose addresses their graphs replay: the whole draft
+        # of each tree configuration, the commit pass of each size, and the root's log-probs and
+        # state ([1, Vd] fp32, [1, 1, H]) that a commit pass writes and a whole draft reads
+        self.drafts: dict[tuple, object] = {}
+        self.commits: dict[int, object] = {}
+        self.compiled_bodies: dict[object, Callable] = {}  # their compiled functions (one for every commit size)
+        self.root: tuple[torch.Tensor, torch.Tensor] | None = None
         self._compiled_once = False
         self._shared = _Shared(head, keys, values, head.rope_table(keys.shape[0]),  # positions < L + m <= C
                                torch.cuda.graph_pool_handle() if capture else None,  # one pool for all shapes
