@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import treespec
-from helpers.eagle_heads import V, eagle_target, hf_features, start_session
+from helpers.eagle_heads import drawn_request, eagle_target, start_session
 from helpers.references import hf_greedy
-from helpers.tiny import assert_sessions_draft_alike, dynamic_configs
+from helpers.tiny import assert_sessions_draft_alike
 from treespec import TreeConfig
 from treespec.drafters.base import DraftStart
 from treespec.drafters.draft_graph import DraftGraph, commit_pass_for, draft_graph_for
@@ -48,17 +48,8 @@ def test_whole_draft_is_the_level_by_level_draft(eagle_ckpts, kind, dtype, seed,
     L), the other a pass a level with masks built on the host. Their trees are equal bit for bit
     (tokens, parents, fp32 scores) through proposals, multi-token commits and a random tree
     configuration, in fp32 and bf16: a wrong mask, slot, position or parent fails it."""
-    import copy
-
     launches = count_launches(monkeypatch)
-    model = copy.deepcopy(eagle_target(kind, peak=4.0)).to(dtype)
-    drafter = treespec.load_draft(eagle_ckpts(kind)[0], model)
-    drafter.head.to(dtype)
-    cfg = data.draw(dynamic_configs(max_top_k=4, max_nodes=16))
-    g = torch.Generator().manual_seed(seed)
-    full = torch.randint(0, V, (40,), generator=g).tolist()
-    n = data.draw(st.integers(1, 12))
-    feats = hf_features(model, full, drafter.features_for(model)).to(dtype)
+    model, drafter, cfg, full, n, feats = drawn_request(eagle_ckpts, kind, dtype, seed, data)
     sessions = [drafter.start(model, DraftStart([full[:n]], [full[n]], [feats[:n]], 24, cfg)) for _ in range(2)]
     for s, whole in zip(sessions, (True, False)):
         s.use_static_passes(capture=False)
@@ -152,3 +143,36 @@ def test_compiled_whole_draft_compiles_once_and_drafts_the_eager_trees(eagle_ckp
     out = treespec.generate(model, compiled, "cpu", [list(range(20, 45))], max_new_tokens=20)
     assert out.sequences == [hf_greedy(model, list(range(20, 45)), 20)]
     assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs  # nothing compiled after the first start
+
+
+RULES = {"repetition_penalty", "no_repeat_ngram_size", "min_new_tokens", "suppress_tokens"}  # DraftRules
+OPTIONS = [dict(), dict(temperature=0.9, top_p=0.95, seed=7), dict(repetition_penalty=1.3),
+           dict(no_repeat_ngram_size=2), dict(min_new_tokens=20, eos_token_id=3), dict(suppress_tokens=[5, 9])]
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "hybrid"])
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(o) or "greedy")
+def test_whole_draft_gives_todays_tokens(kind, options, monkeypatch):
+    """Through the engine on fixed shapes, greedy, seeded sampling and generation options (the
+    ones that forbid tokens make the builder's rules: those steps draft level by level), a batch
+    of three (drafted level by level) and a prefix cache hit: the tokens of today's eager path.
+    The EAGLE-1 pair drafts well (multi-token commits); the hybrid grafts lookup on."""
+    from helpers.pairs import graphed, pair
+
+    from treespec import PrefixCache
+
+    launches = count_launches(monkeypatch)
+    prompts = [[5, 3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [7, 7, 7], [1]]
+    model, drafter = pair(kind, peak=3.0)
+    whole = graphed(drafter)
+    kw = dict(max_new_tokens=24, attention_backend="torch", **options)
+    for batch in ([prompts[0]], prompts):
+        want = treespec.generate(model, drafter, "cpu", batch, **kw)
+        assert treespec.generate(model, whole, "cpu", batch, fixed_shapes=True, **kw).sequences == want.sequences
+    assert (launches[0] > 0) == (not RULES & set(options))  # with rules every step drafts level by level
+    cache = PrefixCache(1 << 20)
+    first = treespec.generate(model, whole, "cpu", [prompts[0]], prefix_cache=cache, fixed_shapes=True, **kw)
+    again = [prompts[0] + first.sequences[0] + [3, 4]]
+    got = treespec.generate(model, whole, "cpu", again, prefix_cache=cache, fixed_shapes=True, **kw)
+    assert got.metrics.requests[0].hit_tokens > 0
+    assert got.sequences == treespec.generate(model, drafter, "cpu", again, **kw).sequences

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import treespec
-from helpers.eagle_heads import H, V, VD, eagle_target, hf_features, start_session
+from helpers.eagle_heads import H, V, VD, drawn_request, eagle_target, hf_features, start_session
 from helpers.references import hf_greedy
 from helpers.tiny import assert_sessions_draft_alike, dynamic_configs
 from treespec import TreeConfig
@@ -38,14 +38,7 @@ def test_lean_single_request_pass_drafts_the_general_trees(eagle_ckpts, kind, dt
     SDPA over the request's row, no batch plan). It must draft exactly the trees the packed
     pass through the torch backend drafts, tokens and scores bit for bit, through proposals, multi-token commits
     and a tree config drawn at random, in fp32 and bf16."""
-    model = copy.deepcopy(eagle_target(kind, peak=4.0)).to(dtype)  # a copy: the module's targets stay fp32
-    drafter = treespec.load_draft(eagle_ckpts(kind)[0], model)
-    drafter.head.to(dtype)
-    cfg = data.draw(dynamic_configs(max_top_k=4, max_nodes=16))
-    g = torch.Generator().manual_seed(seed)
-    full = torch.randint(0, V, (40,), generator=g).tolist()
-    n = data.draw(st.integers(1, 12))
-    feats = hf_features(model, full, drafter.features_for(model)).to(dtype)
+    model, drafter, cfg, full, n, feats = drawn_request(eagle_ckpts, kind, dtype, seed, data)
     sessions = []
     for lean in (True, False):
         s = drafter.start(model, DraftStart([full[:n]], [full[n]], [feats[:n]], 24, cfg))

@@ -35,6 +35,13 @@ def gpu_eagle(seed: int, **kw) -> tuple:
     return model, Eagle3Drafter(EagleHead.for_target(model, eagle3=True).eval(), **kw)
 
 
+def gpu_features(model, drafter, prompt: list[int]) -> torch.Tensor:
+    """EAGLE-3 features of ``prompt``: the states entering the three target layers it reads."""
+    with torch.no_grad():
+        hs = model(torch.tensor([prompt], device="cuda"), output_hidden_states=True).hidden_states
+    return torch.cat([hs[i][0] for i in drafter.features_for(model)], -1)
+
+
 def drafted(rec: RecordingDrafter) -> list:
     """The recorded trees as plain lists: (tokens, parents) per proposal."""
     return [(t.tokens.tolist(), t.parents.tolist()) for trees, _ in rec.trees for t in trees]
@@ -71,21 +78,28 @@ def test_cuda_graph_drafter_greedy_equals_hf_generate(tree):
             assert drafted(rec) == trees[name, len(p)], (name, len(p))
 
 
-def test_cuda_graphs_replay_the_eager_static_passes():
-    """The same static passes, captured and replayed or run eagerly, draft the same trees bit
-    for bit (the same kernels), one graph per pass shape, every shape captured on first use."""
-    model, drafter = gpu_eagle(4)
+def drafted_side_by_side(seed: int, whole: tuple[bool, bool]) -> list:
+    """Two sessions of one request on a head's static passes, the first run eagerly, the second
+    captured, each drafting a pass a level or whole (``whole``), driven in lockstep through
+    proposals and commits of several sizes: their trees must be equal bit for bit."""
+    model, drafter = gpu_eagle(seed)
     prompt = list(range(3, 40))
-    with torch.no_grad():  # EAGLE-3 features: the states entering three target layers
-        hs = model(torch.tensor([prompt], device="cuda"), output_hidden_states=True).hidden_states
-    feats = torch.cat([hs[i][0] for i in drafter.features_for(model)], -1)
+    feats = gpu_features(model, drafter, prompt)
     cfg = treespec.TreeConfig.preset("eagle2")
     n = 20
     sessions = [drafter.start(model, DraftStart([prompt[:n]], [prompt[n]], [feats[:n]], 24, cfg)) for _ in range(2)]
-    for s, capture in zip(sessions, (False, True)):
+    for s, capture, w in zip(sessions, (False, True), whole):
         s.use_static_passes(capture=capture)
-        s.whole_draft = False  # a pass a level (the whole draft: the next test)
+        s.whole_draft = w
     assert_sessions_draft_alike(sessions, prompt, feats, n, (1, 3, 2, 1, 4), cfg.depth)
+    return sessions
+
+
+def test_cuda_graphs_replay_the_eager_static_passes():
+    """The same static passes, captured and replayed or run eagerly, a pass a level, draft the
+    same trees bit for bit (the same kernels), one graph per pass shape, every shape captured on
+    first use."""
+    sessions = drafted_side_by_side(4, (False, False))
     graphs = sessions[1].static.passes
     assert graphs and all(p.graph is not None and p.replays for p in graphs.values())
     assert set(graphs) == set(sessions[0].static.passes)  # one per shape: levels (top_k) and commit sizes
@@ -96,18 +110,7 @@ def test_a_captured_whole_draft_drafts_the_eager_level_by_level_trees():
     draft the trees of the same head's static passes run eagerly a level at a time, bit for bit,
     through proposals and commits of several sizes; the draft's graph captured once and replayed
     every step."""
-    model, drafter = gpu_eagle(6)
-    prompt = list(range(3, 40))
-    with torch.no_grad():
-        hs = model(torch.tensor([prompt], device="cuda"), output_hidden_states=True).hidden_states
-    feats = torch.cat([hs[i][0] for i in drafter.features_for(model)], -1)
-    cfg = treespec.TreeConfig.preset("eagle2")
-    n = 20
-    sessions = [drafter.start(model, DraftStart([prompt[:n]], [prompt[n]], [feats[:n]], 24, cfg)) for _ in range(2)]
-    for s, whole in zip(sessions, (False, True)):
-        s.use_static_passes(capture=whole)
-        s.whole_draft = whole
-    assert_sessions_draft_alike(sessions, prompt, feats, n, (1, 3, 2, 1, 4), cfg.depth)
+    sessions = drafted_side_by_side(6, (False, True))
     (graph,) = sessions[1].static.drafts.values()
     assert graph.graph is not None and graph.replays == 5
     commits = sessions[1].static.commits  # commits of 1, 2, 3 and 4 entries, each captured

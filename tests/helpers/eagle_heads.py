@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+import treespec
 from helpers.tiny import tiny_model
 from treespec import TreeConfig
 from treespec.drafters.base import DraftStart
@@ -153,6 +154,25 @@ def hf_features(model, tokens, layers) -> torch.Tensor:
         hs = model(torch.tensor([list(tokens)]), output_hidden_states=True).hidden_states
     return torch.cat([hs[-1 if i == FINAL_NORM else i][0] for i in layers], -1)
 
+
+def drawn_request(eagle_ckpts, kind: str, dtype, seed: int, data):
+    """A head of ``kind`` on a copy of its target in ``dtype``, a tree configuration and a
+    request drawn by hypothesis: ``(model, drafter, cfg, tokens, n, feats)``, the request's
+    first ``n`` of 40 random ``tokens`` prompted, ``feats`` the target's features of all 40."""
+    import copy
+
+    from hypothesis import strategies as st
+
+    from helpers.tiny import dynamic_configs
+
+    model = copy.deepcopy(eagle_target(kind, peak=4.0)).to(dtype)  # a copy: the module's targets stay fp32
+    drafter = treespec.load_draft(eagle_ckpts(kind)[0], model)
+    drafter.head.to(dtype)
+    cfg = data.draw(dynamic_configs(max_top_k=4, max_nodes=16))
+    g = torch.Generator().manual_seed(seed)
+    full = torch.randint(0, V, (40,), generator=g).tolist()
+    n = data.draw(st.integers(1, 12))
+    return model, drafter, cfg, full, n, hf_features(model, full, drafter.features_for(model)).to(dtype)
 
 
 # ---- targets --------------------------------------------------------------------------------

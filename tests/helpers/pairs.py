@@ -42,3 +42,18 @@ def pair(kind: str, peak: float = 60.0):
                 _made[key] = (model, EagleDrafter.from_pretrained(write_head(Path(tmp), *informed_eagle1_checkpoint()),
                                                                   model))
     return _made[key]
+
+
+def graphed(drafter):
+    """``drafter`` (an EAGLE head, or a hybrid over one) with its head's passes on the fixed shapes
+    a GPU captures (``cuda_graphs=True``: the commit passes and the whole draft), run uncaptured:
+    the same head, a row of its own."""
+    from treespec.drafters.graphs import GraphedRow
+
+    if isinstance(drafter, HybridDrafter):
+        return HybridDrafter(graphed(drafter.primary), drafter.lookup)
+    assert isinstance(drafter, EagleDrafter)
+    twin = type(drafter)(drafter.head, drafter.attention_backend, drafter.page_size, cuda_graphs=True)
+    twin.auto_calibration = drafter.auto_calibration
+    twin.graphed_row = GraphedRow(capture=False)
+    return twin

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import treespec
-from helpers.pairs import pair
+from helpers.pairs import graphed, pair
 from helpers.references import hf_greedy
 from helpers.tiny import tiny_model
 from helpers.trees import trees
@@ -601,21 +601,6 @@ class _Counts(TorchDispatchMode):
 
 
 HOST_READS = ("tolist", "cpu", "numpy")
-
-
-def graphed(drafter):
-    """``drafter`` (an EAGLE head, or a hybrid over one) with its head's passes on the fixed shapes
-    a GPU captures (``cuda_graphs=True``: the static passes and the whole draft), run uncaptured."""
-    from treespec.drafters import EagleDrafter, HybridDrafter
-    from treespec.drafters.graphs import GraphedRow
-
-    if isinstance(drafter, HybridDrafter):
-        return HybridDrafter(graphed(drafter.primary), drafter.lookup)
-    assert isinstance(drafter, EagleDrafter)
-    twin = type(drafter)(drafter.head, drafter.attention_backend, drafter.page_size, cuda_graphs=True)
-    twin.auto_calibration = drafter.auto_calibration
-    twin.graphed_row = GraphedRow(capture=False)
-    return twin
 
 
 def counts_per_step(kind: str, fixed: bool, monkeypatch, tree="cpu", on_graphs: bool = False, **kw):

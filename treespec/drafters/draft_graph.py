@@ -174,9 +174,6 @@ class CommitPass(_Launched):
     def __repr__(self):
         return f"the draft head's commit pass of {self.n} entries"
 
-    def fits(self, cached: int) -> bool:
-        return cached + self.n <= self.static.capacity and self.n <= self.static.max_entries
-
     @torch.inference_mode()
     def run(self, tokens: torch.Tensor, features: torch.Tensor, cached: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Entries L .. L+n-1 of the row from the accepted ``tokens`` (int64 ``[n]``) and their
@@ -197,6 +194,7 @@ class CommitPass(_Launched):
         self._run(shared.head, shared.keys, shared.values, shared.rope[0], shared.rope[1], self.tokens,
                   self.features, self.cached, self._cols(), logp, state)
 
+    @torch.inference_mode()
     def precompile(self) -> float:
         def fill():
             self.tokens.zero_()

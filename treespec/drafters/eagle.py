@@ -53,7 +53,7 @@ class EagleDrafter(Drafter):
     (:mod:`treespec.drafters.draft_graph`: one launch and one read a step) instead of a pass a
     level; it drafts every level (``auto``'s early stop is not asked) and falls back to the
     level-by-level draft under generation rules (default: on; on a 2-core CPU, compiled, the
-    default configuration ran 1.05x faster with it, docs/benchmarks.md).
+    default configuration ran 1.06x faster with it, docs/benchmarks.md).
     """
 
     def __init__(self, head: EagleHead, attention_backend: str = "auto", page_size: int = 16,
@@ -313,14 +313,13 @@ class EagleSession(DraftSession):
         if not self.whole_draft or static is None or len(requests) != 1:
             return False
         (r,), (t,), (f,) = requests, tokens, features
-        seq = self.seq[r]
+        seq, n = self.seq[r], len(t)
         L = self.cache.seq_lens[seq]
-        commit = commit_pass_for(static, len(t))
-        if not commit.fits(L) or self.cache.block_rows([seq], L + len(t)) is None:
+        if n > static.max_entries or L + n > static.capacity or self.cache.block_rows([seq], L + n) is None:
             return False
-        self.cache.reserve(seq, L + len(t))
-        self.root_logp[r], self.root_state[r] = commit.run(torch.tensor(t), f, L)
-        self.cache.commit(seq, range(L, L + len(t)))
+        self.cache.reserve(seq, L + n)
+        self.root_logp[r], self.root_state[r] = commit_pass_for(static, n).run(torch.tensor(t), f, L)
+        self.cache.commit(seq, range(L, L + n))
         return True
 
     def _propose_whole(self, requests, roots) -> list[Tree] | None:
@@ -338,7 +337,9 @@ class EagleSession(DraftSession):
         if not graph.fits(L) or self.cache.block_rows([seq], L + graph.reach) is None:
             return None
         self.cache.reserve(seq, L + graph.reach)  # the frontiers' entries: written, never committed
-        return [graph.draft(self.root_logp[r], self.root_state[r], L, roots[0])]
+        tree = graph.draft(self.root_logp[r], self.root_state[r], L, roots[0])
+        self.cache.truncate(seq, L)
+        return [tree]
 
     def commit(self, requests, tokens, features):
         self._extend(list(requests), [list(t) for t in tokens], features)
