@@ -49,15 +49,18 @@ class EagleDrafter(Drafter):
     (any device; two graphs serve every pass size, compiled before the first step; on a CPU the
     head's weights frozen into them, compiled again when they change).
 
-    ``whole_draft``: on those fixed shapes, draft a dynamic tree's every level in one graph
-    (:mod:`treespec.drafters.draft_graph`: one launch and one read a step) instead of a pass a
-    level; it drafts every level (``auto``'s early stop is not asked) and falls back to the
-    level-by-level draft under generation rules (default: on; on a 2-core CPU, compiled, the
-    default configuration ran 1.06x faster with it, docs/benchmarks.md).
+    ``whole_draft``: on those fixed shapes, draft a dynamic tree's every level in one graph and
+    commit in another (:mod:`treespec.drafters.draft_graph`: two launches and one read a step)
+    instead of a pass a level; it drafts every level (``auto``'s early stop is not asked) and
+    falls back to the level-by-level draft under generation rules. None (the default): whole
+    where the graphs are captured (``cuda_graphs``) or no early stop applies (a fixed tree
+    configuration); compiled with ``auto`` trees, a pass a level with the early stop (on a 2-core
+    CPU the whole draft ran 1.06x faster on GSM8K and 0.96x on Spec-Bench questions, where the
+    early stop cuts weak drafts short; docs/benchmarks.md).
     """
 
     def __init__(self, head: EagleHead, attention_backend: str = "auto", page_size: int = 16,
-                 cuda_graphs: bool = False, compile_passes: bool = False, whole_draft: bool = True):
+                 cuda_graphs: bool = False, compile_passes: bool = False, whole_draft: bool | None = None):
         if cuda_graphs and compile_passes:
             raise ValueError("an EAGLE drafter's passes run from CUDA graphs (cuda_graphs) or compiled "
                              "(compile_passes), not both")
@@ -152,7 +155,10 @@ class EagleSession(DraftSession):
         self.room = ctx.tree_cfg.depth * ctx.tree_cfg.top_k + ctx.tree_cfg.num_nodes + 2
         longest = max(len(pr) for pr in ctx.prompts) + ctx.max_new_tokens + self.room
         self._graphed: GraphedRow | None = None
-        self.whole_draft = drafter.whole_draft and ctx.tree_cfg.kind == "dynamic"
+        whole = drafter.whole_draft
+        if whole is None:  # captured, launches are what a level costs; compiled on a CPU, the early stop pays
+            whole = drafter.cuda_graphs or ctx.stop is None
+        self.whole_draft = whole and ctx.tree_cfg.kind == "dynamic"
         lent = self._borrow_row(drafter, len(ctx.prompts), longest)
         if lent is not None:
             self._graphed = drafter.graphed_row
