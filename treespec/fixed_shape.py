@@ -66,6 +66,12 @@ BUCKETS = (1, 4, 8, 16, 32, 64)  # tree tokens a row, root and padding included 
 KEY_STEP = 64  # a narrowed forward's key count is a multiple of this
 
 
+def keys_in_use(keys: int, capacity: int) -> int:
+    """The key count a narrowed (compiled CPU) forward or pass attends over for ``keys`` keys in
+    use: rounded up to :data:`KEY_STEP`, at most the row's ``capacity``."""
+    return min(capacity, -(-keys // KEY_STEP) * KEY_STEP)
+
+
 # model -> (its linears' kinds, rows, row capacity, block start, bucket, features, acceptance)
 # compiled in this process: what precompile skips (dynamo's own cache holds the graphs)
 _COMPILED: "weakref.WeakKeyDictionary[torch.nn.Module, set[tuple]]" = weakref.WeakKeyDictionary()
@@ -355,7 +361,7 @@ class FixedShapeVerify:
         longest row's committed prefix and bucket rounded up to :data:`KEY_STEP`."""
         if not self.narrow:
             return self.capacity
-        return min(self.capacity, -(-(max(self.committed) + n) // KEY_STEP) * KEY_STEP)
+        return keys_in_use(max(self.committed) + n, self.capacity)
 
     def _span(self, k: int) -> torch.Tensor:
         """A tensor of ``k`` elements whose size is the forward's key count, dynamic when compiled."""

@@ -44,16 +44,18 @@ def pair(kind: str, peak: float = 60.0):
     return _made[key]
 
 
-def graphed(drafter):
+def graphed(drafter, whole_draft: bool | None = None):
     """``drafter`` (an EAGLE head, or a hybrid over one) with its head's passes on the fixed shapes
-    a GPU captures (``cuda_graphs=True``: the commit passes and the whole draft), run uncaptured:
-    the same head, a row of its own."""
+    a GPU captures (``cuda_graphs=True``: the commit passes and the whole draft, or with
+    ``whole_draft=False`` the passes a level at a time), run uncaptured: the same head, a row of
+    its own."""
     from treespec.drafters.graphs import GraphedRow
 
     if isinstance(drafter, HybridDrafter):
-        return HybridDrafter(graphed(drafter.primary), drafter.lookup)
+        return HybridDrafter(graphed(drafter.primary, whole_draft), drafter.lookup)
     assert isinstance(drafter, EagleDrafter)
-    twin = type(drafter)(drafter.head, drafter.attention_backend, drafter.page_size, cuda_graphs=True)
+    twin = type(drafter)(drafter.head, drafter.attention_backend, drafter.page_size, cuda_graphs=True,
+                         whole_draft=whole_draft)
     twin.auto_calibration = drafter.auto_calibration
     twin.graphed_row = GraphedRow(capture=False)
     return twin

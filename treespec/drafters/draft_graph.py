@@ -18,14 +18,14 @@ step on an H200). :func:`draft_tree` is the same draft as one function of fixed 
 Its partner :class:`CommitPass` is the commit's pass of the ``n`` accepted tokens as one function
 too (:func:`commit_row`): their features projected, their mask, positions and slots made from L,
 the head's pass, and the last entry's log-probabilities and state written into the row's root
-buffers (``StaticPasses.root``), where the next whole draft reads them. So a step of the draft
-fills three buffers (the accepted tokens, their features, L), launches twice and reads once.
+buffers, where the next whole draft reads them. So a step of the draft fills the accepted
+tokens and their features, and L for each of the two, launches twice and reads once.
 
 :class:`DraftGraph` holds its input buffers (the root's log-probabilities and state, L) over a
 :class:`StaticPasses` row and runs it eagerly, compiled (on a CPU with the head's weights frozen
 into the graph, over the row's keys in use rounded up to ``KEY_STEP``) or captured in one CUDA
 graph, as the row's passes are. Eagerly its trees are the level-by-level trees bit for bit (the
-same passes on the same masks; tests/model/test_draft_graph.py).
+same passes on the same masks; tests/drafters/test_draft_graph.py).
 
 What stays level by level: the early stop (``auto``'s rule reads the pool after every level; a
 whole draft drafts every level and ``auto`` then chooses the part worth verifying from the
@@ -45,7 +45,7 @@ import torch
 
 from ..builder import Frontier, best_of_pool, dynamic_pool
 from ..config import TreeConfig
-from ..fixed_shape import KEY_STEP
+from ..fixed_shape import keys_in_use
 from ..tree import Tree
 from .graphs import StaticPasses, capture_graph, compiled_on, head_pass
 
@@ -61,35 +61,37 @@ def draft_graph_for(static: StaticPasses, config: TreeConfig) -> "DraftGraph":
         raise ValueError(f"a whole draft grows dynamic trees; this configuration is {config.kind}")
     key = (config.depth, config.top_k, config.num_nodes)
     if key not in static.drafts:
-        static.drafts[key] = DraftGraph(static, config)
+        static.drafts[key] = DraftGraph(static._shared, config)
     return static.drafts[key]
 
 
 def commit_pass_for(static: StaticPasses, n: int) -> "CommitPass":
     """The commit pass of ``n`` entries over ``static``'s row, made on first use and kept."""
     if n not in static.commits:
-        static.commits[n] = CommitPass(static, n)
+        static.commits[n] = CommitPass(static._shared, n)
     return static.commits[n]
 
 
-def root_of(static: StaticPasses) -> tuple[torch.Tensor, torch.Tensor]:
-    """The row's root buffers: fp32 log-probabilities ``[1, Vd]`` and state ``[1, 1, H]``."""
-    if static.root is None:
-        head = static._shared.head
+def root_of(shared) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row's root buffers: fp32 log-probabilities ``[1, Vd]`` and state ``[1, 1, H]``
+    (``shared``: the row's ``StaticPasses._shared``)."""
+    if shared.root is None:
+        head = shared.head
         c, p = head.config, next(head.parameters())
         width = c.draft_vocab_size if c.eagle3 else c.vocab_size
-        static.root = (torch.zeros(1, width, dtype=torch.float32, device=p.device),
+        shared.root = (torch.zeros(1, width, dtype=torch.float32, device=p.device),
                        torch.zeros(1, 1, c.hidden_size, dtype=p.dtype, device=p.device))
-    return static.root
+    return shared.root
 
 
 class _Launched:
     """A body over a :class:`StaticPasses` row run eagerly, compiled or captured (as the row's
-    passes are): subclasses hold the buffers and define :meth:`_body`."""
+    passes are): subclasses hold the buffers and define :meth:`_body`. It holds what the row's
+    passes share (``StaticPasses._shared``), not the passes, so that a dropped row is freed at
+    once, its graphs with it."""
 
-    def __init__(self, static: StaticPasses, fn):
-        shared = static._shared
-        self.static = static
+    def __init__(self, shared, fn):
+        self.shared = shared
         self.cached = torch.zeros((), dtype=torch.int64, device=shared.keys.device)  # L: the row's committed entries
         self.cols = torch.arange(shared.capacity, device=shared.keys.device)  # the row's key indices
         self.keys_in_use = shared.capacity
@@ -98,19 +100,19 @@ class _Launched:
         self._run = fn
         if shared.compiled is not None:  # one compiled function a body, for the row: dynamic sizes share it
             key = (fn, self._key())
-            if key not in static.compiled_bodies:
-                static.compiled_bodies[key] = compiled_on(fn, shared.keys.device)
-            self._run = static.compiled_bodies[key]
+            if key not in shared.compiled_bodies:
+                shared.compiled_bodies[key] = compiled_on(fn, shared.keys.device)
+            self._run = shared.compiled_bodies[key]
         self._compiled_once = False
 
     def _set_cached(self, cached: int, reach: int) -> None:
         """L, and the keys a compiled CPU body reads: those in use (``cached + reach``) rounded up."""
         self.cached.fill_(cached)
-        if self.static._shared.narrow:
-            self.keys_in_use = min(self.static.capacity, -(-(cached + reach) // KEY_STEP) * KEY_STEP)
+        if self.shared.narrow:
+            self.keys_in_use = keys_in_use(cached + reach, self.shared.capacity)
 
     def _cols(self) -> torch.Tensor:
-        if not self.static._shared.narrow:
+        if not self.shared.narrow:
             return self.cols
         cols = self.cols[:self.keys_in_use]  # the row's first K keys, K a symbolic size of the graph
         torch._dynamo.mark_dynamic(cols, 0)
@@ -118,7 +120,7 @@ class _Launched:
 
     @torch.inference_mode()
     def launch(self) -> None:
-        shared = self.static._shared
+        shared = self.shared
         if shared.pool is None:
             self._body()
             return
@@ -140,12 +142,12 @@ class _Launched:
         """Compiled: ``fill()`` padding, then compile on it (writes K/V into the row: call it
         before the row is zeroed for a request). The seconds it took (0 when not compiled or
         already done)."""
-        if self.static._shared.compiled is None or self._compiled_once:
+        if self.shared.compiled is None or self._compiled_once:
             return 0.0
         start = time.perf_counter()
         fill()
-        if self.static._shared.narrow:  # a key count unlike any other size of the graph, so none is taken for it
-            self.keys_in_use = min(self.static.capacity, -(-(1 + reach) // KEY_STEP) * KEY_STEP + 1)
+        if self.shared.narrow:  # a key count unlike any other size of the graph, so none is taken for it
+            self.keys_in_use = min(self.shared.capacity, keys_in_use(1 + reach, self.shared.capacity) + 1)
         self.launch()
         self._compiled_once = True
         seconds = time.perf_counter() - start
@@ -159,15 +161,15 @@ class CommitPass(_Launched):
     buffers out. Compiled, one graph for one entry and one for every size from two (the buffers'
     size marked dynamic), as the row's passes."""
 
-    def __init__(self, static: StaticPasses, n: int):
-        super().__init__(static, commit_row)
-        head = static._shared.head
+    def __init__(self, shared, n: int):
+        super().__init__(shared, commit_row)
+        head = shared.head
         c, p = head.config, next(head.parameters())
         self.n = n
         self.tokens = torch.zeros(n, dtype=torch.int64, device=p.device)
         self.features = torch.zeros(n, head.fc.in_features if c.eagle3 else c.hidden_size, dtype=p.dtype,
                                     device=p.device)
-        if static._shared.compiled is not None and n >= 2:
+        if shared.compiled is not None and n >= 2:
             for t in (self.tokens, self.features):
                 torch._dynamo.mark_dynamic(t, 0)
 
@@ -185,12 +187,12 @@ class CommitPass(_Launched):
         self.features.copy_(features)
         self._set_cached(cached, self.n)
         self.launch()
-        logp, state = root_of(self.static)
+        logp, state = root_of(self.shared)
         return logp[0], state[0]
 
     def _body(self) -> None:
-        shared = self.static._shared
-        logp, state = root_of(self.static)
+        shared = self.shared
+        logp, state = root_of(shared)
         self._run(shared.head, shared.keys, shared.values, shared.rope[0], shared.rope[1], self.tokens,
                   self.features, self.cached, self._cols(), logp, state)
 
@@ -207,9 +209,9 @@ class DraftGraph(_Launched):
     """The whole draft of one tree configuration over a :class:`StaticPasses` row (use
     :func:`draft_graph_for`): the row's root buffers and L in, the tree out."""
 
-    def __init__(self, static: StaticPasses, config: TreeConfig):
+    def __init__(self, shared, config: TreeConfig):
         self.config = config
-        super().__init__(static, draft_tree)
+        super().__init__(shared, draft_tree)
         self.out: torch.Tensor | None = None  # [3, N] float64: parents, target ids, scores
 
     def __repr__(self):
@@ -224,16 +226,17 @@ class DraftGraph(_Launched):
         return (self.config.depth - 1) * self.config.top_k
 
     def fits(self, cached: int) -> bool:
-        return cached >= 1 and cached + self.reach <= self.static.capacity
+        return cached >= 1 and cached + self.reach <= self.shared.capacity
 
+    @torch.inference_mode()
     def fill(self, root_logp: torch.Tensor, root_state: torch.Tensor, cached: int) -> None:
         """The root's fp32 log-probabilities ``[Vd]`` and state ``[1, H]`` (copied into the row's
         root buffers unless they are those buffers, as a :class:`CommitPass` leaves them), and L
         (the root's entry is the row's entry L-1)."""
         if not self.fits(cached):
             raise ValueError(f"a whole draft of {self.reach} entries past {cached} does not fit the row of "
-                             f"{self.static.capacity}")
-        logp, state = root_of(self.static)
+                             f"{self.shared.capacity}")
+        logp, state = root_of(self.shared)
         if root_logp.data_ptr() != logp.data_ptr():
             logp[0].copy_(root_logp)
         if root_state.data_ptr() != state.data_ptr():
@@ -241,8 +244,8 @@ class DraftGraph(_Launched):
         self._set_cached(cached, self.reach)
 
     def _body(self) -> None:
-        shared = self.static._shared
-        logp, state = root_of(self.static)
+        shared = self.shared
+        logp, state = root_of(shared)
         self.out = self._run(shared.head, shared.keys, shared.values, shared.rope[0], shared.rope[1], logp, state,
                              self.cached, self._cols(), self.config)
 
@@ -260,7 +263,7 @@ class DraftGraph(_Launched):
     @torch.inference_mode()
     def precompile(self) -> float:
         def fill():
-            for t in root_of(self.static):
+            for t in root_of(self.shared):
                 t.zero_()
             self.cached.fill_(1)
         return self._precompile(fill, self.reach)

@@ -156,7 +156,9 @@ class EagleSession(DraftSession):
         longest = max(len(pr) for pr in ctx.prompts) + ctx.max_new_tokens + self.room
         self._graphed: GraphedRow | None = None
         whole = drafter.whole_draft
-        if whole is None:  # captured, launches are what a level costs; compiled on a CPU, the early stop pays
+        # None: whole where captured (a level costs its launches) or with no early stop to lose;
+        # compiled with auto's early stop, a pass a level (the stop pays where the draft is weak)
+        if whole is None:
             whole = drafter.cuda_graphs or ctx.stop is None
         self.whole_draft = whole and ctx.tree_cfg.kind == "dynamic"
         lent = self._borrow_row(drafter, len(ctx.prompts), longest)
@@ -313,8 +315,9 @@ class EagleSession(DraftSession):
 
     def _commit_whole(self, requests, tokens, features) -> bool:
         """With ``whole_draft``: the lone request's commit in one pass over its row, the root for
-        the next whole draft left in the row's buffers (:class:`CommitPass`); False where it
-        cannot be (as for :meth:`_propose_whole`, or more entries than the passes take)."""
+        the next draft left in the row's buffers (:class:`CommitPass`; also under generation rules,
+        whose drafts go level by level and read the root from there); False where it cannot be: no
+        fixed-shape passes, a batch, more entries than the passes take, past the row."""
         static = self.static
         if not self.whole_draft or static is None or len(requests) != 1:
             return False

@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from ..compiled import COMPILED_MIN_ROW, COMPILED_VERIFY_ROW, compile_fixed, cpu_options, own_code, pow2_row
-from ..fixed_shape import KEY_STEP
+from ..fixed_shape import KEY_STEP, keys_in_use
 from ..kv_cache import PagedKVCache
 from ..packing import dense_in_compiled_graphs
 
@@ -85,17 +85,10 @@ class StaticPasses:
             raise ValueError("static head passes are captured in CUDA graphs or compiled, not both")
         self.max_entries = max_entries
         self.passes: dict[int, _Pass] = {}
-        # draft_graph.py's, kept with the row whose addresses their graphs replay: the whole draft
-        # of each tree configuration, the commit pass of each size, and the root's log-probs and
-        # state ([1, Vd] fp32, [1, 1, H]) that a commit pass writes and a whole draft reads
-        self.drafts: dict[tuple, object] = {}
-        self.commits: dict[int, object] = {}
-        self.compiled_bodies: dict[object, Callable] = {}  # their compiled functions (one for every commit size)
-        self.root: tuple[torch.Tensor, torch.Tensor] | None = None
         self._compiled_once = False
         self._shared = _Shared(head, keys, values, head.rope_table(keys.shape[0]),  # positions < L + m <= C
                                torch.cuda.graph_pool_handle() if capture else None,  # one pool for all shapes
-                               _compiled_pass(keys.device) if compile else None)
+                               compiled_on(head_pass, keys.device) if compile else None)
 
     @classmethod
     def over_row(cls, head, cache: PagedKVCache, seq: int, capture: bool, max_entries: int,
@@ -118,6 +111,16 @@ class StaticPasses:
     @property
     def capacity(self) -> int:
         return self._shared.capacity
+
+    @property
+    def drafts(self) -> dict:
+        """The whole drafts over this row, by tree configuration (:mod:`~treespec.drafters.draft_graph`)."""
+        return self._shared.drafts
+
+    @property
+    def commits(self) -> dict:
+        """The commit passes over this row, by size (:mod:`~treespec.drafters.draft_graph`)."""
+        return self._shared.commits
 
     def _pass(self, n: int) -> "_Pass":
         """The buffers (and graph) of the pass of ``n`` entries, made on first use."""
@@ -168,11 +171,6 @@ class StaticPasses:
         return p.states.clone(), p.logp.clone()
 
 
-def _compiled_pass(device: torch.device) -> Callable:
-    """:func:`head_pass` compiled (:func:`compiled_on`)."""
-    return compiled_on(head_pass, device)
-
-
 def compiled_on(fn: Callable, device: torch.device) -> Callable:
     """``fn`` (a function of the head and its row, :func:`head_pass` or the whole draft)
     compiled; on a CPU with the head's weights frozen into the graph, so that inductor generates
@@ -212,6 +210,14 @@ class _Shared:
         self.head, self.keys, self.values, self.rope, self.pool = head, keys, values, rope, pool
         self.compiled = compiled
         self.capacity = keys.shape[0]
+        # draft_graph.py's, kept with the row whose addresses their graphs replay: the whole draft
+        # of each tree configuration, the commit pass of each size, their compiled functions (one
+        # for every commit size), and the root's log-probs and state ([1, Vd] fp32, [1, 1, H])
+        # that a commit pass writes and a whole draft reads
+        self.drafts: dict[tuple, object] = {}
+        self.commits: dict[int, object] = {}
+        self.compiled_bodies: dict[object, Callable] = {}
+        self.root: tuple[torch.Tensor, torch.Tensor] | None = None
         # Compiled on a CPU, a pass attends over the row's first K keys, K the keys in use rounded
         # up to KEY_STEP (a symbolic size: one graph for every K); captured or eager, over all C.
         self.narrow = compiled is not None and keys.device.type == "cpu"
@@ -261,7 +267,7 @@ class _Pass:
         host[:, cached:kv] = mask
         self.mask.copy_(host)
         if self.owner.narrow:
-            self.keys_in_use = min(self.owner.capacity, -(-kv // KEY_STEP) * KEY_STEP)
+            self.keys_in_use = keys_in_use(kv, self.owner.capacity)
 
     @torch.inference_mode()
     def launch(self) -> None:
