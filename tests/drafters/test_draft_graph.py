@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import treespec
-from helpers.eagle_heads import drawn_request, eagle_target, hf_features, start_session
+from helpers.eagle_heads import drawn_request, eagle_target, start_session
 from helpers.references import hf_greedy
 from helpers.tiny import assert_sessions_draft_alike
 from treespec import TreeConfig
@@ -101,7 +101,7 @@ def test_graphed_row_drafts_whole_through_the_engine_equal_hf_generate(eagle_ckp
     launches = count_launches(monkeypatch)
     model = eagle_target("eagle3")
     drafter = treespec.load_draft(eagle_ckpts("eagle3")[0], model, cuda_graphs=True)
-    assert drafter.whole_draft is None  # the default: whole where the passes are captured
+    assert drafter.whole_draft  # the default
     drafter.graphed_row = GraphedRow(capture=False)
     for draft in (drafter, HybridDrafter(drafter)):
         p = [1, 5, 9, 3, 7, 5, 9, 3, 7]
@@ -111,24 +111,6 @@ def test_graphed_row_drafts_whole_through_the_engine_equal_hf_generate(eagle_ckp
         assert launches[0] - before == out.metrics.num_steps > 0
     off = treespec.load_draft(eagle_ckpts("eagle3")[0], model, cuda_graphs=True, whole_draft=False)
     assert not off.whole_draft
-
-
-def test_the_default_drafts_whole_where_captured_or_without_an_early_stop(eagle_ckpts):
-    """``whole_draft=None``: whole on captured passes, and on compiled ones for a fixed tree
-    configuration; compiled with an early stop (``auto``), a pass a level, which the stop can cut
-    short; asked for, whole or not whatever the rest."""
-    model = eagle_target("eagle3")
-    cfg = TreeConfig.dynamic(depth=4, top_k=3, num_nodes=8)
-    feats = None
-    for kw, stop, whole in ((dict(cuda_graphs=True), True, True), (dict(cuda_graphs=True), False, True),
-                            (dict(compile_passes=True), False, True), (dict(compile_passes=True), True, False),
-                            (dict(compile_passes=True, whole_draft=True), True, True),
-                            (dict(cuda_graphs=True, whole_draft=False), False, False)):
-        drafter = treespec.load_draft(eagle_ckpts("eagle3")[0], model, **kw)
-        drafter.graphed_row = GraphedRow(capture=False)  # uncaptured, not compiled: the choice is what counts
-        feats = hf_features(model, [1, 2, 3], drafter.features_for(model)) if feats is None else feats
-        ctx = DraftStart([[1, 2]], [3], [feats[:2]], 8, cfg, stop=(lambda *a: False) if stop else None)
-        assert drafter.start(model, ctx).whole_draft is whole, (kw, stop)
 
 
 def test_compiled_whole_draft_compiles_once_and_drafts_the_eager_trees(eagle_ckpts, monkeypatch):

@@ -44,7 +44,7 @@ def pair(kind: str, peak: float = 60.0):
     return _made[key]
 
 
-def graphed(drafter, whole_draft: bool | None = None):
+def graphed(drafter, whole_draft: bool = True):
     """``drafter`` (an EAGLE head, or a hybrid over one) with its head's passes on the fixed shapes
     a GPU captures (``cuda_graphs=True``: the commit passes and the whole draft, or with
     ``whole_draft=False`` the passes a level at a time), run uncaptured: the same head, a row of

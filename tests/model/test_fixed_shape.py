@@ -613,7 +613,7 @@ def counts_per_step(kind: str, fixed: bool, monkeypatch, tree="cpu", on_graphs: 
 
     model, drafter = pair(kind)
     if on_graphs:
-        drafter = graphed(drafter, whole_draft=False if on_graphs == "level" else None)
+        drafter = graphed(drafter, whole_draft=on_graphs != "level")
     counts = _Counts([model, *drafter.modules()])
     for name in ("_tree_forward", "_verify", "_commit"):
         monkeypatch.setattr(loop, name, counts.enter("verify", getattr(loop, name)))

@@ -52,15 +52,13 @@ class EagleDrafter(Drafter):
     ``whole_draft``: on those fixed shapes, draft a dynamic tree's every level in one graph and
     commit in another (:mod:`treespec.drafters.draft_graph`: two launches and one read a step)
     instead of a pass a level; it drafts every level (``auto``'s early stop is not asked) and
-    falls back to the level-by-level draft under generation rules. None (the default): whole
-    where the graphs are captured (``cuda_graphs``) or no early stop applies (a fixed tree
-    configuration); compiled with ``auto`` trees, a pass a level with the early stop (on a 2-core
-    CPU the whole draft ran 1.06x faster on GSM8K and 0.96x on Spec-Bench questions, where the
-    early stop cuts weak drafts short; docs/benchmarks.md).
+    falls back to the level-by-level draft under generation rules (default: on; compiled on a
+    2-core CPU with ``auto`` trees it ran 1.06x faster on GSM8K and 1.01x on 30 Spec-Bench
+    questions than a pass a level with the early stop; docs/benchmarks.md).
     """
 
     def __init__(self, head: EagleHead, attention_backend: str = "auto", page_size: int = 16,
-                 cuda_graphs: bool = False, compile_passes: bool = False, whole_draft: bool | None = None):
+                 cuda_graphs: bool = False, compile_passes: bool = False, whole_draft: bool = True):
         if cuda_graphs and compile_passes:
             raise ValueError("an EAGLE drafter's passes run from CUDA graphs (cuda_graphs) or compiled "
                              "(compile_passes), not both")
@@ -155,12 +153,7 @@ class EagleSession(DraftSession):
         self.room = ctx.tree_cfg.depth * ctx.tree_cfg.top_k + ctx.tree_cfg.num_nodes + 2
         longest = max(len(pr) for pr in ctx.prompts) + ctx.max_new_tokens + self.room
         self._graphed: GraphedRow | None = None
-        whole = drafter.whole_draft
-        # None: whole where captured (a level costs its launches) or with no early stop to lose;
-        # compiled with auto's early stop, a pass a level (the stop pays where the draft is weak)
-        if whole is None:
-            whole = drafter.cuda_graphs or ctx.stop is None
-        self.whole_draft = whole and ctx.tree_cfg.kind == "dynamic"
+        self.whole_draft = drafter.whole_draft and ctx.tree_cfg.kind == "dynamic"
         lent = self._borrow_row(drafter, len(ctx.prompts), longest)
         if lent is not None:
             self._graphed = drafter.graphed_row
