@@ -47,7 +47,7 @@ from ..builder import Frontier, best_of_pool, dynamic_pool
 from ..config import TreeConfig
 from ..fixed_shape import keys_in_use
 from ..tree import Tree
-from .graphs import StaticPasses, capture_graph, compiled_on, head_pass
+from .graphs import StaticPasses, compiled_on, head_pass, launch_body
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def draft_graph_for(static: StaticPasses, config: TreeConfig) -> "DraftGraph":
     passes (its graph replays the row's addresses)."""
     if config.kind != "dynamic":
         raise ValueError(f"a whole draft grows dynamic trees; this configuration is {config.kind}")
-    key = (config.depth, config.top_k, config.num_nodes)
+    key = _config_key(config)
     if key not in static.drafts:
         static.drafts[key] = DraftGraph(static._shared, config)
     return static.drafts[key]
@@ -70,6 +70,11 @@ def commit_pass_for(static: StaticPasses, n: int) -> "CommitPass":
     if n not in static.commits:
         static.commits[n] = CommitPass(static._shared, n)
     return static.commits[n]
+
+
+def _config_key(config: TreeConfig) -> tuple[int, int, int]:
+    """What tells two dynamic configurations' whole drafts apart."""
+    return config.depth, config.top_k, config.num_nodes
 
 
 def root_of(shared) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,16 +125,7 @@ class _Launched:
 
     @torch.inference_mode()
     def launch(self) -> None:
-        shared = self.shared
-        if shared.pool is None:
-            self._body()
-            return
-        with torch.cuda.device(shared.keys.device):
-            if self.graph is None:
-                self.graph = capture_graph(self._body, shared.pool)
-                log.debug("captured %s in a CUDA graph", self)
-            self.graph.replay()
-        self.replays += 1
+        launch_body(self, self.shared)
 
     def _key(self):
         """What tells this body's compiled function apart from the row's others of the same code."""
@@ -218,7 +214,7 @@ class DraftGraph(_Launched):
         return f"the whole draft of {self.config}"
 
     def _key(self):
-        return self.config.depth, self.config.top_k, self.config.num_nodes
+        return _config_key(self.config)
 
     @property
     def reach(self) -> int:

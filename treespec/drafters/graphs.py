@@ -62,7 +62,7 @@ from ..packing import dense_in_compiled_graphs
 
 log = logging.getLogger(__name__)
 
-__all__ = ["StaticPasses", "GraphedRow", "head_pass", "compiled_on", "capture_graph"]
+__all__ = ["StaticPasses", "GraphedRow", "head_pass", "compiled_on", "capture_graph", "launch_body"]
 
 
 class StaticPasses:
@@ -269,22 +269,12 @@ class _Pass:
         if self.owner.narrow:
             self.keys_in_use = keys_in_use(kv, self.owner.capacity)
 
+    def __repr__(self):
+        return f"the draft head's pass of {self.n} entries"
+
     @torch.inference_mode()
     def launch(self) -> None:
-        if self.owner.pool is None:  # not captured: run eagerly
-            self._body()
-            return
-        # On the head's GPU: streams, the capture and its pool belong to the current device,
-        # and a head on another one would be captured as an empty graph.
-        with torch.cuda.device(self.owner.keys.device):
-            if self.graph is None:
-                self._capture()
-            self.graph.replay()
-        self.replays += 1
-
-    def _capture(self) -> None:
-        self.graph = capture_graph(self._body, self.owner.pool)
-        log.debug("captured the draft head's pass of %d entries in a CUDA graph", self.n)
+        launch_body(self, self.owner)
 
     def _body(self) -> None:
         owner = self.owner
@@ -299,6 +289,22 @@ class _Pass:
         # StaticPasses.run hands out clones taken right after this shape's launch.
         self.states, self.logp = run(owner.head, owner.keys, owner.values, owner.rope[0], owner.rope[1],
                                      self.tokens, self.hidden, self.positions, self.slots, mask)
+
+
+def launch_body(holder, shared: "_Shared") -> None:
+    """Run ``holder._body()`` over ``shared``'s row: eagerly when its passes are not captured,
+    else by replaying ``holder.graph``, captured on first use (``holder.replays`` counts them)."""
+    if shared.pool is None:  # not captured: run eagerly
+        holder._body()
+        return
+    # On the head's GPU: streams, the capture and its pool belong to the current device,
+    # and a head on another one would be captured as an empty graph.
+    with torch.cuda.device(shared.keys.device):
+        if holder.graph is None:
+            holder.graph = capture_graph(holder._body, shared.pool)
+            log.debug("captured %s in a CUDA graph", holder)
+        holder.graph.replay()
+    holder.replays += 1
 
 
 def capture_graph(body: Callable[[], None], pool) -> "torch.cuda.CUDAGraph":
