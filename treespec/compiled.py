@@ -1,5 +1,6 @@
-"""``torch.compile`` as treespec uses it on fixed shapes: the verify forward
+"""``torch.compile`` and CUDA graphs as treespec uses them on fixed shapes: the verify forward
 (:mod:`treespec.fixed_shape`) and the draft head's passes (:mod:`treespec.drafters.graphs`).
+A body is captured in a CUDA graph with :func:`capture_graph`.
 
 :func:`compile_fixed` compiles with dynamo's recompile limit raised to :data:`RECOMPILE_LIMIT`
 (one compiled version per bucket and row length). On a CPU the verify forward compiles with
@@ -23,7 +24,8 @@ from typing import Callable
 
 import torch
 
-__all__ = ["compile_fixed", "compile_for_model", "own_code", "cpu_options", "templates_active", "GEMM_TEMPLATES",
+__all__ = ["compile_fixed", "capture_graph", "compile_for_model", "own_code", "cpu_options", "templates_active",
+           "GEMM_TEMPLATES",
            "SKIP_MODULE_GUARDS", "pow2_row", "RECOMPILE_LIMIT", "COMPILED_MIN_ROW", "COMPILED_VERIFY_ROW"]
 
 #: compiled versions dynamo keeps of one function: one per bucket and cache shape for the
@@ -53,16 +55,29 @@ def pow2_row(tokens: int, at_least: int = 0) -> int:
 GEMM_TEMPLATES = True
 
 
-def cpu_options() -> dict:
-    """Inductor's options for a CPU forward on fixed shapes: the weights frozen into the graph
-    (``freezing``) so that inductor's C++ GEMM templates (AMX/AVX-512 micro-kernels, 4-bit
-    weights de-quantized inside the product) can take every linear, chosen against ATen's by
-    timing each shape once when it compiles (``max_autotune``; inductor's on-disk caches keep
-    the choice). Empty with :data:`GEMM_TEMPLATES` off."""
-    if not GEMM_TEMPLATES:
+def cpu_options(dtype: torch.dtype = torch.float32) -> dict:
+    """Inductor's options for a CPU forward on fixed shapes of a model in ``dtype``: the weights
+    frozen into the graph (``freezing``) so that inductor's C++ GEMM templates (AMX/AVX-512
+    micro-kernels, 4-bit weights de-quantized inside the product) can take every linear, chosen
+    against ATen's by timing each shape once when it compiles (``max_autotune``; inductor's
+    on-disk caches keep the choice). Empty with :data:`GEMM_TEMPLATES` off, and for a bf16 or
+    fp16 model on a CPU without AVX-512 (:func:`templates_fit`)."""
+    if not (GEMM_TEMPLATES and templates_fit(dtype)):
         return {}
     return {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
             "max_autotune_report_choices_stats": False}
+
+
+def templates_fit(dtype: torch.dtype) -> bool:
+    """Whether inductor's GEMM templates may take a ``dtype`` model's products on this CPU. Not a
+    bf16 or fp16 one below AVX-512: on an AVX2 AMD EPYC (Zen 3, torch 2.13) a bf16 SmolLM-shaped
+    tiny model compiled with them gave logits 31.7 off its eager ones (18 at most), where the same
+    without the templates differed by 0.13 and fp32 by 3e-6
+    (``tests/model/test_fixed_shape.py::test_two_models_of_one_shape_each_run_their_own_compiled_graphs``
+    failed there); the templates' speed was measured on AMX and AVX-512 only."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return True
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 def templates_active() -> bool:
@@ -145,3 +160,20 @@ def compile_for_model(fn: Callable, model: torch.nn.Module, key, inductor: dict 
             compile_kwargs = {**compile_kwargs, "options": {"guard_filter_fn": skip}}
         per_model[key] = compile_fixed(own, inductor, **compile_kwargs)
     return per_model[key]
+
+
+def capture_graph(body: Callable[[], None], pool) -> "torch.cuda.CUDAGraph":
+    """``body`` captured in a CUDA graph (in the memory ``pool``), on the current device. Warmed
+    up on a side stream first (lazy initialisation, kernel choice), as torch.cuda.graphs asks:
+    the bodies treespec captures (the verify forward, the head's passes) only write K/V that
+    they compute again, so running twice is safe."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        body()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: another thread's CUDA work (a second generate) does not break this capture
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        body()
+    return graph

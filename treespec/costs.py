@@ -142,8 +142,11 @@ def cost_key(runner, fixed=None) -> dict:
     from .packing import PackedLinear
 
     model = runner.model
-    compiled = {} if fixed is None else {"verify": "compiled", "rows": fixed.attention.rows, "kernels": fixed.kernels,
+    compiled = {} if fixed is None else {"verify": "captured" if fixed.graphs else "compiled",
+                                         "rows": fixed.attention.rows, "kernels": fixed.kernels,
                                          "accept": fixed.accepts}  # with acceptance inside, or not
+    if fixed is not None and not fixed.narrow:  # every forward attends over the whole row
+        compiled["row"] = fixed.capacity
     return {
         **compiled,
         **model_identity(model),
@@ -198,7 +201,7 @@ def _rounds(once: Callable[[int], float], sizes, repeats: int, budget: float,
 
 def measure_fixed_cost_curve(fixed, max_tokens: int, repeats: int = REPEATS, budget: float = BUDGET_SECONDS,
                              clock: Callable[[], float] = time.perf_counter) -> CostCurve:
-    """The curve of a compiled fixed-shape verify (``fixed``, the loop's, compiled and not yet
+    """The curve of a compiled or captured fixed-shape verify (``fixed``, the loop's, not yet
     prefilled): each bucket up to the one of ``max_tokens`` timed as :func:`measure_cost_curve`
     times sizes, a chain in row 0 behind a ``PREFIX``-token committed prefix, and every tree size
     priced at its bucket's time (a step curve: the nodes that fill a bucket cost nothing more).
@@ -218,6 +221,8 @@ def measure_fixed_cost_curve(fixed, max_tokens: int, repeats: int = REPEATS, bud
         tree = Tree.chain(q - 1, torch.arange(q) * 13 % vocab)
         t0 = clock()
         fixed.forward([seq], [tree], [PREFIX], capture=capture)
+        if fixed.cache.device.type == "cuda":  # a forward that did not accept read nothing back
+            torch.cuda.synchronize(fixed.cache.device)
         return clock() - t0
 
     for q in sizes:  # warm-up: a bucket the precompile did not reach compiles here, untimed

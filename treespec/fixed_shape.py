@@ -35,30 +35,41 @@ bucket (and row capacity), none as the prefix grows (``tests/model/test_fixed_sh
 one compiled body per model whose calls skip dynamo's guards on the model's modules
 (:func:`~treespec.compiled.compile_for_model`).
 
+With ``graphs=True`` (CUDA) each bucket's forward, eager, is captured once in a CUDA graph and
+replayed: the launches of a whole forward (a few thousand kernels for a 30-layer model) become
+one. A graph replays the addresses it captured, so what it reads lives longer than one call: the
+buckets' buffers, each row's first slot and the graphs' outputs are kept per model
+(:class:`_Rows`) with the cache storage they were captured on, and the loop's next cache of the
+same layout is made on that storage (:meth:`~treespec.runner.ModelRunner.release_cache`), rows a
+power of two long (:func:`row_capacity`): a later call replays what the first captured.
+
 Letters: R rows of the cache (one per request of the batch), N tokens of a bucket, n tree nodes,
 C a row's capacity, V vocabulary, F features, H query heads, Hkv key heads, D head dim.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import itertools
 import logging
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from .accept import Verdict, accept_fixed, first_argmax, verdicts_of
-from .compiled import COMPILED_VERIFY_ROW, compile_for_model, cpu_options, pow2_row
+from .compiled import (COMPILED_MIN_ROW, COMPILED_VERIFY_ROW, capture_graph, compile_for_model, cpu_options,
+                       pow2_row)
 from .kv_cache import PagedKVCache
-from .runner import ForwardOutput
+from .runner import ForwardOutput, drop_spare_storage
 from .tree import Tree
 
 __all__ = ["FixedShapeVerify", "Accepted", "FixedRowsAttention", "BUCKETS", "bucket_for", "row_capacity",
-           "fixed_row_tokens", "tree_rows_mask", "ancestor_masks"]
+           "fixed_row_tokens", "tree_rows_mask", "ancestor_masks", "release_graphs"]
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +86,8 @@ def keys_in_use(keys: int, capacity: int) -> int:
 # model -> (its linears' kinds, rows, row capacity, block start, bucket, features, acceptance)
 # compiled in this process: what precompile skips (dynamo's own cache holds the graphs)
 _COMPILED: "weakref.WeakKeyDictionary[torch.nn.Module, set[tuple]]" = weakref.WeakKeyDictionary()
+# model -> the rows its verify forwards were last captured over (graphs=True): one layout a model
+_CAPTURED: "weakref.WeakKeyDictionary[torch.nn.Module, _Rows]" = weakref.WeakKeyDictionary()
 
 
 def bucket_for(n: int, buckets: Sequence[int] = BUCKETS) -> int | None:
@@ -82,18 +95,23 @@ def bucket_for(n: int, buckets: Sequence[int] = BUCKETS) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
 
-def row_capacity(tokens: int, compile: bool) -> int:
-    """The row length a fixed-shape cache asks for to hold ``tokens`` positions: exactly that,
-    or compiled, a power of two of at least :data:`~treespec.compiled.COMPILED_VERIFY_ROW`: every
-    row capacity is a new shape to compile, and prompts and budgets vary from call to call."""
-    return pow2_row(tokens, COMPILED_VERIFY_ROW) if compile else tokens
+def row_capacity(tokens: int, mode: bool | str) -> int:
+    """The row length a fixed-shape cache (``mode``: True, ``"compile"`` or ``"graphs"``) asks
+    for to hold ``tokens`` positions: exactly that, eager; compiled, a power of two of at least
+    :data:`~treespec.compiled.COMPILED_VERIFY_ROW`: every row capacity is a new shape to compile,
+    and prompts and budgets vary from call to call; captured, a power of two of at least
+    :data:`~treespec.compiled.COMPILED_MIN_ROW` (a new row, new captures, and every replay
+    attends over the whole row)."""
+    if mode == "compile":
+        return pow2_row(tokens, COMPILED_VERIFY_ROW)
+    return pow2_row(tokens, COMPILED_MIN_ROW) if mode == "graphs" else tokens
 
 
 def fixed_row_tokens(committed: int, tree_tokens: int, mode: bool | str) -> int:
-    """The row a request needs on fixed shapes (``mode``: True or ``"compile"``): room for
-    ``committed`` tokens and, after them, the bucket of a tree of ``tree_tokens`` (root
+    """The row a request needs on fixed shapes (``mode``: True, ``"compile"`` or ``"graphs"``):
+    room for ``committed`` tokens and, after them, the bucket of a tree of ``tree_tokens`` (root
     included; the tree itself past the largest bucket, which today's forward runs)."""
-    return row_capacity(committed + (bucket_for(tree_tokens) or tree_tokens), mode == "compile")
+    return row_capacity(committed + (bucket_for(tree_tokens) or tree_tokens), mode)
 
 
 @dataclass(eq=False)
@@ -104,6 +122,7 @@ class _Bucket:
     ids: torch.Tensor  # int64 [R, N]; padding: token 0
     parents: torch.Tensor  # int64 [R, N]: each token's parent in its row's bucket; -1: a root or padding
     committed: torch.Tensor  # int64 [R]: L, the row's keys every token sees
+    copied: object = None  # pinned host copies: the CUDA event of their last copy to the device
 
     @classmethod
     def empty(cls, rows: int, n: int, device) -> "_Bucket":
@@ -112,8 +131,71 @@ class _Bucket:
                    torch.zeros(rows, dtype=torch.int64, device=device))
 
     def copy_from(self, other: "_Bucket") -> None:
+        """Copy ``other``'s (pinned) buffers here without waiting; ``other`` is not to be
+        written again before :meth:`wait` says the copies are done."""
         for name in ("ids", "parents", "committed"):
             getattr(self, name).copy_(getattr(other, name), non_blocking=True)
+        if self.ids.device.type == "cuda":
+            other.copied = other.copied or torch.cuda.Event()
+            other.copied.record()
+
+    def wait(self) -> None:
+        """Until the last copy out of these (host) buffers is done."""
+        if self.copied is not None:
+            self.copied.synchronize()
+
+
+@dataclass(eq=False)
+class _Captured:
+    """One bucket's forward captured in a CUDA graph, and the outputs its replays overwrite (and
+    may any later replay of another graph of the pool: they hold until the next forward)."""
+
+    graph: object = None  # torch.cuda.CUDAGraph
+    outputs: tuple = ()  # (logits, features, packed) as the body returns them
+    replays: int = 0
+
+
+@dataclass(eq=False)
+class _Rows:
+    """What a fixed-shape forward reads besides the cache and the weights: each row's first flat
+    slot and every bucket's buffers. Captured (``graphs=True``), also the graphs, keyed by
+    ``(bucket, features, acceptance, feature layers)``, their memory pool and the cache storage
+    they write, kept alive with them: one per model (:data:`_CAPTURED`), reused by every later
+    :class:`FixedShapeVerify` whose cache has the same layout on the same storage and whose model
+    holds its weights where they were captured (``key``). :func:`release_graphs` lets them go."""
+
+    row_start: torch.Tensor  # int64 [R]: row r's first flat slot
+    buffers: dict = field(default_factory=dict)  # N -> (_Bucket on the device, _Bucket on the CPU)
+    graphs: dict = field(default_factory=dict)  # (N, capture, accept, feature layers) -> _Captured
+    pool: object = None
+    storage: torch.Tensor | None = None
+    key: tuple = ()
+
+
+def _rows_for(runner, cache: PagedKVCache, first: int, rows: int, stride: int, graphs: bool) -> _Rows:
+    """The rows' state: the model's captured one when its cache layout is this cache's, else new
+    (captured, it replaces the model's: the graphs of another layout are let go)."""
+    row_start = first + stride * torch.arange(rows, device=cache.device)
+    if not graphs:
+        return _Rows(row_start)
+    # a graph replays the addresses it captured: the cache's and the weights' (moved, reloaded or
+    # swapped, they are elsewhere; changed in place, a replay reads the new values, as it should)
+    weights = tuple(t.data_ptr() for t in itertools.chain(runner.model.parameters(), runner.model.buffers()))
+    key = (cache.kv.data_ptr(), tuple(cache.kv.shape), cache.kv.dtype, first, rows, stride, weights)
+    held = _CAPTURED.get(runner.model)
+    if held is None or held.key != key:
+        pool = torch.cuda.graph_pool_handle() if cache.device.type == "cuda" else None
+        held = _CAPTURED[runner.model] = _Rows(row_start, pool=pool, storage=cache.storage, key=key)
+    return held
+
+
+def release_graphs(model: torch.nn.Module) -> bool:
+    """Let go of ``model``'s captured verify forwards (``fixed_shapes="graphs"``): their graphs
+    and memory pool, the buckets' buffers, the cache storage they were captured on (the runner's
+    spare, :meth:`~treespec.runner.ModelRunner.release_cache`, goes too). The next call captures
+    again. Returns whether there was anything to let go."""
+    drop_spare_storage(model)
+    return _CAPTURED.pop(model, None) is not None
 
 
 def fill(b: _Bucket, committed: Sequence[int], rows: Sequence[int], trees: Sequence[Tree]) -> None:
@@ -238,59 +320,68 @@ class FixedShapeVerify:
                  place (:func:`~treespec.accept.accept_fixed`, :meth:`PagedKVCache.move`), all
                  inside the compiled or captured body, and reads back one small tensor a step:
                  :meth:`forward` then returns :class:`Accepted`.
+        graphs:  capture each bucket's forward in a CUDA graph on first use (or in
+                 :meth:`precompile`) and replay it; the graphs outlive this object, for the
+                 model's next cache on the same storage (:class:`_Rows`). The outputs of a
+                 replay hold until the next forward.
     """
 
     def __init__(self, runner, cache: PagedKVCache, seqs: Sequence[int], compile: bool = False,
-                 buckets: Sequence[int] = BUCKETS, accept: bool = False):
+                 buckets: Sequence[int] = BUCKETS, accept: bool = False, graphs: bool = False):
         block = cache.block_rows(seqs, 0)
         if block is None or not seqs:
             raise ValueError("the verify forward on fixed shapes needs the cache's sequences in one block of rows "
                              "(PagedKVCache.with_rows)")
+        if compile and graphs:
+            raise ValueError("the fixed-shape verify runs compiled (compile) or captured in CUDA graphs (graphs), "
+                             "not both")
         first, stride, rows = block
         self.runner, self.cache, self.buckets = runner, cache, tuple(sorted(buckets))
         self.row_of = dict(zip(seqs, rows))
         R = max(rows) + 1
         self.attention = FixedRowsAttention(first, R, stride)
         self.committed = [0] * R  # each row's committed length at its last forward (host ints)
-        self._row_start = first + stride * torch.arange(R, device=cache.device)  # int64 [R]
-        self._buffers: dict[int, tuple[_Bucket, _Bucket]] = {}  # N -> (on the device, on the CPU)
+        self._rows = _rows_for(runner, cache, first, R, stride, graphs)
         if compile and runner.feature_layers:
             _install_output_hooks(runner.model)
-        self.compiled, self.accepts = compile, accept
+        self.compiled, self.accepts, self.graphs = compile, accept, graphs
         # On a CPU each forward attends over the longest row's keys rounded up to KEY_STEP, a size
         # the compiled forward takes as symbolic (one compile serves every length); a CUDA graph
         # replays fixed shapes, so there every forward attends over the whole row.
-        self.narrow = cache.device.type == "cpu"
+        self.narrow = cache.device.type == "cpu" and not graphs
         self._spans: dict[int, torch.Tensor] = {}  # K -> a tensor of K elements, the forward's key count
-        options = cpu_options() if cache.device.type == "cpu" else {}
-        self._run = self._body
+        options = cpu_options(runner.dtype) if cache.device.type == "cpu" else {}
+        self._run = self._replay if graphs else self._body
         if compile:  # one compiled body per model and device, its graphs for every instance
             body = compile_for_model(FixedShapeVerify._body, runner.model, cache.device.type, options, dynamic=False)
             self._run = functools.partial(body, self)
         # whose kernels a compiled forward runs: inductor's GEMM templates on frozen weights, or
         # ATen's and oneDNN's called from the graph (the cost curves' cache key tells them apart)
-        self.kernels = "inductor-gemm" if compile and options else "aten"
+        self.kernels = "inductor-gemm" if compile and options else "cuda-graphs" if graphs else "aten"
         self.fixed_forwards = self.fallbacks = 0  # how forwards ran (tests, logs)
 
     @torch.inference_mode()
     def precompile(self, tree_tokens: int, capture: bool) -> float:
-        """Compile now every bucket up to the one that holds ``tree_tokens`` (root included),
-        for the forward with or without features (``capture``), so that no step waits for a
-        compile: a forward of padding alone per bucket not yet compiled for this model and cache
-        shape in this process. Returns the seconds it took (0 when eager, or all were compiled).
+        """Compile (or capture) now every bucket up to the one that holds ``tree_tokens`` (root
+        included), for the forward with or without features (``capture``), so that no step waits
+        for a compile: a forward of padding alone per bucket not yet compiled for this model and
+        cache shape in this process (captured: for these rows). Returns the seconds it took (0
+        when eager, or all were ready).
 
         Call it before the first step: the dummy forwards write K/V at the start of every row,
         positions that the prompt's prefill and the trees write again before anything reads them."""
-        if not self.compiled:
+        if not (self.compiled or self.graphs):
             return 0.0
         top = bucket_for(tree_tokens, self.buckets) or self.buckets[-1]
         model = self.runner.model
         kinds = frozenset(type(m).__name__ for m in model.modules())  # packed or not, quantized or not
         seen = _COMPILED.setdefault(model, set())
         start, done = time.perf_counter(), 0
+        capture = capture and bool(self.runner.feature_layers)
         for n in (b for b in self.buckets if b <= top):
             key = (kinds, self.attention.rows, self.capacity, self.attention.first, n, capture, self.accepts)
-            if key in seen:
+            graph_key = (n, capture, self.accepts, tuple(self.runner.feature_layers or ()))
+            if graph_key in self._rows.graphs or (key in seen and not self.graphs):
                 continue
             device, _ = self._bucket(n)
             device.ids.zero_()
@@ -298,13 +389,14 @@ class FixedShapeVerify:
             device.committed.zero_()
             # a key count unlike any bucket's or the row's own: no size is taken for another
             self._run(device, self._span(self._keys(n) if not self.narrow else min(n + KEY_STEP + 1, self.capacity)),
-                      capture and bool(self.runner.feature_layers), self.accepts)
-            seen.add(key)
+                      capture, self.accepts)
+            if not self.graphs:
+                seen.add(key)
             done += 1
         seconds = time.perf_counter() - start if done else 0.0
         if done:
-            log.info("compiled the verify forward for %d bucket(s) up to %d tokens (row of %d) in %.0f s", done, top,
-                     self.capacity, seconds)
+            log.info("%s the verify forward for %d bucket(s) up to %d tokens (row of %d) in %.1f s",
+                     "captured" if self.graphs else "compiled", done, top, self.capacity, seconds)
         return seconds
 
     @property
@@ -335,6 +427,7 @@ class FixedShapeVerify:
         for s, t, L in zip(seqs, trees, cached):
             self.cache.reserve(s, L + t.num_nodes)  # inside the row: bookkeeping only
         device, host = self._bucket(N)
+        host.wait()  # its last step's copy to the device
         fill(host, self.committed, rows, trees)
         if device is not host:
             device.copy_from(host)
@@ -347,14 +440,15 @@ class FixedShapeVerify:
         return _per_request(logits, features, rows, [t.num_nodes for t in trees])
 
     def _bucket(self, n: int) -> tuple[_Bucket, _Bucket]:
-        if n not in self._buffers:
+        buffers = self._rows.buffers
+        if n not in buffers:
             R, dev = self.attention.rows, self.cache.device
             device = _Bucket.empty(R, n, dev)
             host = device if dev.type == "cpu" else _Bucket.empty(R, n, "cpu")
             if dev.type == "cuda":
                 host = _Bucket(*(t.pin_memory() for t in vars(host).values()))
-            self._buffers[n] = (device, host)
-        return self._buffers[n]
+            buffers[n] = (device, host)
+        return buffers[n]
 
     def _keys(self, n: int) -> int:
         """K, the keys a forward of bucket ``n`` attends over: the whole row, or narrowed, the
@@ -371,6 +465,26 @@ class FixedShapeVerify:
                 torch._dynamo.mark_dynamic(span, 0)
         return self._spans[k]
 
+    def _replay(self, b: _Bucket, span: torch.Tensor, capture: bool, accept: bool):
+        """:meth:`_body`'s outputs, from its CUDA graph for this bucket (captured on first use).
+        Accepting, the logits are not kept: nothing reads them, and the pool reuses their memory."""
+        key = (b.ids.shape[1], capture, accept, tuple(self.runner.feature_layers or ()))
+        held = self._rows.graphs.get(key)
+        with _on_device(self.cache.device):
+            if held is None:
+                held = _Captured()
+
+                def body():
+                    logits, features, packed = self._body(b, span, capture, accept)
+                    held.outputs = (None if accept else logits, features, packed)
+
+                held.graph = capture_graph(body, self._rows.pool)
+                self._rows.graphs[key] = held
+                log.debug("captured the verify forward of %d tokens a row (features: %s, acceptance: %s)", *key[:3])
+            held.graph.replay()
+        held.replays += 1
+        return held.outputs
+
     def _body(self, b: _Bucket, span: torch.Tensor, capture: bool, accept: bool):
         """One forward of bucket ``b`` over the first ``len(span)`` keys of each row: logits
         ``[R, N, V]``, features ``[R, N, F]`` (None unless ``capture``) and, with ``accept``, the
@@ -378,7 +492,7 @@ class FixedShapeVerify:
         accepted paths' K/V moved into place and the features gathered at the paths' nodes. Reads
         only ``b``'s buffers and the cache: what a compile or a CUDA graph holds."""
         R, N = b.ids.shape
-        slots = (self._row_start + b.committed)[:, None] + torch.arange(N, device=b.ids.device)  # [R, N]
+        slots = (self._rows.row_start + b.committed)[:, None] + torch.arange(N, device=b.ids.device)  # [R, N]
         tree_mask = ancestor_masks(b.parents)  # [R, N, N]
         positions = b.committed[:, None] + tree_mask.sum(-1) - 1  # [R, N]: committed + depth; padding: committed
         K = span.shape[0]
@@ -398,6 +512,11 @@ class FixedShapeVerify:
         if features is not None:
             features = features.gather(1, path[..., None].expand(-1, -1, features.shape[-1]))
         return logits, features, packed
+
+
+def _on_device(device: torch.device):
+    """Streams, captures and their pools belong to the current CUDA device: make it ``device``'s."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _install_output_hooks(model) -> None:

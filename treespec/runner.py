@@ -57,6 +57,18 @@ class ForwardOutput:
 _SPARE_KV: "weakref.WeakKeyDictionary[torch.nn.Module, torch.Tensor]" = weakref.WeakKeyDictionary()
 
 
+def drop_spare_storage(model) -> None:
+    """Forget the cache storage :meth:`ModelRunner.release_cache` keeps for ``model``."""
+    _SPARE_KV.pop(model, None)
+
+
+def check_graphs_device(device: torch.device) -> None:
+    """``fixed_shapes="graphs"`` captures the verify forward in CUDA graphs: ValueError off CUDA."""
+    if device.type != "cuda":
+        raise ValueError(f"fixed_shapes='graphs' captures the verify forward in CUDA graphs: it needs the model on a "
+                         f"CUDA device, and it is on {device}; use fixed_shapes='compile' on a CPU")
+
+
 class ModelRunner:
     """A model plus a backend; builds caches sized for it and runs packed forwards.
 
@@ -72,19 +84,22 @@ class ModelRunner:
         fixed_shapes:   how the decoding loop runs its verify forward: False, :meth:`forward`
                         on the tree's own shapes; True, on fixed shapes
                         (:class:`~treespec.fixed_shape.FixedShapeVerify`, eager); ``"compile"``,
-                        the same through ``torch.compile``.
+                        the same through ``torch.compile``; ``"graphs"`` (CUDA), the same
+                        captured in CUDA graphs, one a bucket, and replayed.
     """
 
     def __init__(self, model, backend="auto", feature_layers: Sequence[int] | None = None,
                  fixed_shapes: bool | str = False):
         check_supported(model)
-        if not (fixed_shapes is False or fixed_shapes is True or fixed_shapes == "compile"):
+        if not (fixed_shapes is False or fixed_shapes is True or fixed_shapes in ("compile", "graphs")):
             raise ValueError(f"fixed_shapes must be False (the verify forward on the tree's own shapes), True (on "
-                             f"fixed shapes, eager) or 'compile' (on fixed shapes, through torch.compile), got "
-                             f"{fixed_shapes!r}")
+                             f"fixed shapes, eager), 'compile' (on fixed shapes, through torch.compile) or 'graphs' "
+                             f"(on fixed shapes, captured in CUDA graphs), got {fixed_shapes!r}")
         self.fixed_shapes = fixed_shapes
         self.model = model
         self.device = next(model.parameters()).device
+        if fixed_shapes == "graphs":
+            check_graphs_device(self.device)
         self.dtype = next(model.parameters()).dtype
         self.backend: AttentionBackend = (
             backend_for(model, backend, self.device) if isinstance(backend, str) else backend
@@ -108,7 +123,7 @@ class ModelRunner:
         """A cache for a batch: ``count`` sequences in equal rows of ``tokens`` positions, read
         as a view by the torch backend (:meth:`PagedKVCache.with_rows`); on the storage that
         :meth:`release_cache` kept when it is large enough (the part used zeroed again)."""
-        spare = _SPARE_KV.pop(self.model, None)
+        spare = _SPARE_KV.pop(self.model, None) if self._keeps_storage else None
         return PagedKVCache.with_rows(self.num_layers, self.num_kv_heads, self.head_dim, count, tokens, page_size,
                                       kv_dtype(self.dtype, self.device), self.device, storage=spare)
 
@@ -119,13 +134,19 @@ class ModelRunner:
         2,048-position cache of SmolLM2-135M (95 MB in fp32) took 124 ms on a 2-core Intel
         Xeon, a tenth of a 128-token answer, where zeroing a reused one is a memory write; a
         bench's compiled calls, each after an eager call of a shorter row, spent 1.74 s of 10.18
-        making theirs afresh (docs/benchmarks.md, "Compiled, round six"). (CUDA's caching
-        allocator reuses memory already.)"""
-        if cache.device.type != "cpu":
+        making theirs afresh (docs/benchmarks.md, "Compiled, round six"). On CUDA, whose caching
+        allocator reuses memory already, only with ``fixed_shapes="graphs"``: the verify forward's
+        graphs replay on the storage they were captured on, and the next call's cache is made on
+        it (:class:`~treespec.fixed_shape.FixedShapeVerify`)."""
+        if not self._keeps_storage:
             return
         kept = _SPARE_KV.get(self.model)
         if kept is None or kept.numel() <= cache.storage.numel():
             _SPARE_KV[self.model] = cache.storage
+
+    @property
+    def _keeps_storage(self) -> bool:
+        return self.device.type == "cpu" or self.fixed_shapes == "graphs"
 
     def kv_layout(self) -> dict:
         """What K/V computed elsewhere must match to be reused here (prefix caching): shapes,

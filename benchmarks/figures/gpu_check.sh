@@ -20,13 +20,24 @@
 #      against a CUDA graph of the same level, k = 1, 4, 8; then treespec's own EagleSession
 #      with that head drafting eagle2 trees eager, on static passes, and replayed from CUDA
 #      graphs (cuda_graphs=True), whose trees must equal the static passes' (benchmarks/micro/draft_step_gpu.py);
-#   4. the CUDA tests, the least run first: the EAGLE head's CUDA graphs (tests/gpu/test_cuda_graphs.py),
-#      then greedy equality with HF generate on the GPU through every backend (tests/gpu/test_cuda.py)
-#      and flex (and FlashInfer) tree logits against the torch backend (tests/model/test_backends.py);
-#      each test is named as it ends, so a step that runs out of time shows where.
+#   4. the CUDA tests, the least run first: the EAGLE head's and the verify forward's CUDA graphs
+#      (tests/gpu/test_cuda_graphs.py), then greedy equality with HF generate on the GPU through every
+#      backend (tests/gpu/test_cuda.py) and flex (and FlashInfer) tree logits against the torch backend
+#      (tests/model/test_backends.py); each test is named as it ends, so a step that runs out of time
+#      shows where;
+#   5. when the target's GGUF is here (GGUF=the file, or GGUF_PARTS=a folder of its pieces, which
+#      earlier runs carried: 98 MB is more than one run brings; joined here and checked against
+#      benchmarks/figures/smollm2-gguf.sha256; WHEELS=a folder with the gguf package's wheel), the
+#      shipped pair end to end (benchmarks/figures/gpu_e2e.sh): the default configuration with its
+#      verify and head replayed from CUDA graphs (--cuda-graphs), beside plain HF generate and HF
+#      generate compiled on a static cache, on E2E_N GSM8K questions and then E2E_N Spec-Bench
+#      questions a category, 128 new tokens, E2E_LIMIT seconds each; without a GGUF it is skipped.
 # Results, under $OUT if set, else benchmarks/results/gpu/: gpu_check.json (environment and
 # each step's exit status and time), verify_cost.json and .txt, draft_step.json and .txt,
-# cuda-tests.txt (with FlashInfer's cut: flashinfer_build.json, and flashinfer-aot.tar with FI_RETURN=1).
+# cuda-tests.txt (with FlashInfer's cut: flashinfer_build.json, and flashinfer-aot.tar with FI_RETURN=1;
+# with the GGUF: gpu-gsm8k$E2E_N-graphs-hfc.* and gpu-spec-bench$E2E_N-graphs-hfc.*, json, txt, log and
+# jsonl: more than the 8 files a run brings back, so OUT_E2E=dir writes them elsewhere, and the .txt
+# tables are what to fetch).
 #
 #   bash benchmarks/figures/gpu_check.sh             # on the GPU machine
 #   bash benchmarks/figures/gpu_check.sh --dry-run   # anywhere, no GPU: checks that it assembles
@@ -46,11 +57,18 @@ SHAPE=${SHAPE:-llama-3.1-8b}
 LAYERS=${LAYERS:-}                # default: the shape's (32 for Llama-3.1-8B)
 SIZES=${SIZES:-}                  # default: the script's, 1 .. 128
 PREFIX=${PREFIX:-1536}
-REPEATS=${REPEATS:-10}
-COST_LIMIT=${COST_LIMIT:-110}     # seconds for step 2 (72 s on an H200)
-DRAFT_LIMIT=${DRAFT_LIMIT:-80}    # seconds for step 3 (21 s on an H200 before its session part)
-TESTS_LIMIT=${TESTS_LIMIT:-230}   # seconds for step 4 (106 s on an H200 before the graph tests)
-FI_LIMIT=${FI_LIMIT:-100}         # seconds for step 1b (not yet run on a GPU)
+# With the end-to-end step (a GGUF given) the earlier steps get less, so that the whole, FlashInfer's
+# build included, stays under the 10 minutes a command may run: 90 + 80 + 50 + 150 + 2 x 100 s.
+e2e=${GGUF:-${GGUF_PARTS:-}}
+REPEATS=${REPEATS:-$([ -n "$e2e" ] && echo 5 || echo 10)}
+COST_LIMIT=${COST_LIMIT:-$([ -n "$e2e" ] && echo 80 || echo 110)}     # seconds for step 2 (72 s on an H200)
+DRAFT_LIMIT=${DRAFT_LIMIT:-$([ -n "$e2e" ] && echo 50 || echo 80)}    # step 3 (21 s on an H200 before its session part)
+TESTS_LIMIT=${TESTS_LIMIT:-$([ -n "$e2e" ] && echo 150 || echo 230)}  # step 4 (106 s on an H200 before the graph tests)
+FI_LIMIT=${FI_LIMIT:-$([ -n "$e2e" ] && echo 90 || echo 100)}         # step 1b (not yet run on a GPU)
+E2E_LIMIT=${E2E_LIMIT:-100}       # seconds for each half of step 5 (not yet run on a GPU)
+E2E_N=${E2E_N:-3}
+E2E_CONFIGS=${E2E_CONFIGS:-smollm2-135m-instruct-eagle+lookup@auto}
+GGUF_SHA256=benchmarks/figures/smollm2-gguf.sha256
 FI_CUT=build/flashinfer/flashinfer-cut.tar.gz
 COST_SCRIPT=benchmarks/micro/verify_cost_gpu.py
 DRAFT_SCRIPT=benchmarks/micro/draft_step_gpu.py
@@ -62,6 +80,9 @@ if [ "${1:-}" = "--dry-run" ]; then
   for script in "$COST_SCRIPT" "$DRAFT_SCRIPT"; do
     "$PY" "$script" --help >/dev/null && echo "ok: $script imports and parses its arguments" \
       || { echo "FAIL: $script does not import"; fail=1; }
+  done
+  for script in benchmarks/figures/gpu_e2e.sh benchmarks/figures/gpu_stage.sh; do
+    bash -n "$script" && echo "ok: $script parses" || { echo "FAIL: $script does not parse"; fail=1; }
   done
   collected=$("$PY" -m pytest --collect-only -q -p no:cacheprovider -m cuda "${TESTS[@]}" 2>&1 | tail -1)
   if [[ "$collected" =~ ^([0-9]+)(/[0-9]+)?\ tests?\ collected ]] && [ "${BASH_REMATCH[1]}" -gt 0 ]; then
@@ -177,6 +198,28 @@ run_step draft_step "$DRAFT_LIMIT" bash -c "set -o pipefail; '$PY' $DRAFT_SCRIPT
 # 4. The CUDA tests (a skip says what is missing: -rs lists why).
 run_step cuda_tests "$TESTS_LIMIT" bash -c "set -o pipefail; '$PY' -m pytest -v -rs --durations=15 -p no:cacheprovider -m cuda \
   ${TESTS[*]} 2>&1 | tee '$OUT/cuda-tests.txt'"
+
+# 5. The shipped pair end to end, when its GGUF is here.
+if [ -z "${GGUF:-}" ] && [ -n "${GGUF_PARTS:-}" ]; then
+  joined=/tmp/treespec-gguf/SmolLM2-135M-Instruct.Q4_1.gguf
+  # the pieces in name order wherever they lie under GGUF_PARTS (gpu_stage.sh puts each in a folder)
+  mkdir -p /tmp/treespec-gguf && find "$GGUF_PARTS" -name '*.part-*' -printf '%f %p\n' | sort | cut -d' ' -f2- \
+    | xargs cat > "$joined"
+  if [ "$(sha256sum < "$joined" | cut -d' ' -f1)" = "$(cut -d' ' -f1 "$GGUF_SHA256")" ]; then
+    GGUF=$joined
+  else
+    echo "FAIL: the GGUF's pieces in $GGUF_PARTS do not join into the file of $GGUF_SHA256 (a piece missing?)"
+    steps+=("e2e 1 0 $E2E_LIMIT")
+  fi
+fi
+if [ -n "${GGUF:-}" ]; then
+  for dataset in gsm8k spec-bench; do
+    run_step "e2e_$dataset" "$E2E_LIMIT" env GGUF="$GGUF" OUT="${OUT_E2E:-$OUT}" N="$E2E_N" DATASET="$dataset" MAX_NEW=128 \
+      GRAPHS=1 HF_COMPILE=1 CONFIGS="$E2E_CONFIGS" LIMIT=$((E2E_LIMIT - 5)) bash benchmarks/figures/gpu_e2e.sh
+  done
+else
+  echo "== e2e: skipped (no GGUF=... or GGUF_PARTS=...: the shipped pair's target cannot be brought in one run)"
+fi
 
 "$PY" - "$OUT/gpu_check.json" "${steps[@]}" <<'EOF'
 import json, sys

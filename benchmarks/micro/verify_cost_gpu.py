@@ -22,6 +22,14 @@ compilation. ``hf_ms`` is the same model's own HF forward of q causal
 tokens after the same prefix (a DynamicCache cropped back after each call): the cost of a
 forward without treespec's runner, its paged cache or a tree.
 
+``fixed`` and ``fixed-graphs`` are the decoding loop's verify on fixed shapes
+(:class:`~treespec.fixed_shape.FixedShapeVerify`, ``fixed_shapes=True`` and ``"graphs"``): the
+tree padded to its bucket (1, 4, ..., 64; larger trees are not timed there), every layer over
+the row's whole length (a power of two: 2,048 positions after 1,536), eager and replayed from a
+CUDA graph a bucket (CUDA only; its first call captures). Their logits are checked as a
+backend's. Issue 47 asks a captured verify of 32 tokens to cost at most 1.25 times a captured
+one-token forward: the summary prints that ratio.
+
 Feeds docs/benchmarks.md, "The first run (H200, 2026-12-04)"; run by
 benchmarks/figures/gpu_check.sh. ``--shape tiny --device cpu`` runs the same code in
 seconds on a CPU (tests/gpu/test_gpu_check.py).
@@ -45,6 +53,7 @@ import torch  # noqa: E402
 from benchmarks.timing import Timer, command  # noqa: E402
 from treespec import Tree  # noqa: E402
 from treespec.attention import flashinfer_available, flashinfer_problem, flex_problem  # noqa: E402
+from treespec.fixed_shape import BUCKETS, FixedShapeVerify, fixed_row_tokens  # noqa: E402
 from treespec.machine import machine_info  # noqa: E402
 from treespec.mask import causal_mask  # noqa: E402
 from treespec.runner import ModelRunner  # noqa: E402
@@ -86,14 +95,23 @@ def random_tree(q: int, vocab: int, g: torch.Generator) -> Tree:
     return Tree(parents, torch.randperm(vocab, generator=g)[:q])
 
 
+FIXED = ("fixed", "fixed-graphs")  # the loop's verify on fixed shapes, eager and captured
+
+
 def available_backends(device: str, dtype: torch.dtype) -> list[str]:
-    """The backends that run here for a model in ``dtype`` (FlashInfer: fp16/bf16 only)."""
+    """The backends that run here for a model in ``dtype`` (FlashInfer: fp16/bf16 only), then
+    the fixed-shape verify (captured: CUDA only)."""
     names = ["torch"]
     if flex_problem(device) is None:
         names.append("flex")
     if torch.device(device).type == "cuda" and flashinfer_problem(dtype, None) is None and flashinfer_available():
         names.append("flashinfer")
-    return names
+    return names + ["fixed"] + (["fixed-graphs"] if torch.device(device).type == "cuda" else [])
+
+
+def runs_at(backend: str, q: int) -> bool:
+    """Whether ``backend`` is timed at ``q`` tree tokens (the fixed shapes: up to the largest bucket)."""
+    return backend not in FIXED or q <= BUCKETS[-1]
 
 
 class Bench:
@@ -101,7 +119,7 @@ class Bench:
     positions prefix .. prefix+q-1 (reserved, never committed: every forward overwrites them)."""
 
     def __init__(self, model, backends: list[str], prefix: int, max_q: int):
-        self.runners = {b: ModelRunner(model, b) for b in backends}
+        self.runners = {b: ModelRunner(model, b) for b in backends if b not in FIXED}
         ref = self.runners["torch"]
         self.device = ref.device
         self.sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
@@ -114,8 +132,21 @@ class Bench:
             ref.forward(self.cache, [self.seq], [prompt.to(self.device)], [torch.arange(prefix)],
                         [causal_mask(prefix)], logits_rows=[[prefix - 1]])
         self.cache.commit(self.seq, torch.arange(prefix))
+        self.fixed = {}  # name -> (its FixedShapeVerify, its sequence): a rows cache of its own, same prefix
+        if any(b in FIXED for b in backends):
+            rows_cache, seqs = ref.new_rows_cache(1, fixed_row_tokens(prefix, min(max_q, BUCKETS[-1]), "graphs"), 16)
+            with ref.attached():
+                ref.forward(rows_cache, seqs, [prompt.to(self.device)], [torch.arange(prefix)], [causal_mask(prefix)],
+                            logits_rows=[[prefix - 1]])
+            rows_cache.commit(seqs[0], torch.arange(prefix))
+            for b in (b for b in backends if b in FIXED):  # tree K/V past the prefix, never committed
+                self.fixed[b] = FixedShapeVerify(ref, rows_cache, seqs, graphs=b == "fixed-graphs"), seqs[0]
 
     def forward(self, backend: str, tree: Tree, mask: torch.Tensor | None = None) -> torch.Tensor:
+        if backend in self.fixed:
+            verify, seq = self.fixed[backend]
+            with self.runners["torch"].attached():
+                return verify.forward([seq], [tree], [self.prefix]).logits[0]
         runner = self.runners[backend]
         with runner.attached():
             out = runner.forward(self.cache, [self.seq], [tree.tokens.to(self.device)],
@@ -133,6 +164,7 @@ def check_size(bench: Bench, backends: list[str], tree: Tree, row: dict, referen
     """The first (untimed-for-the-median) call of each backend at this size, and the logits check
     against ``reference`` (the model in fp32; None: the model is fp32, its torch backend is it)."""
     first = {}
+    backends = [b for b in backends if runs_at(b, tree.num_nodes)]
     for b in backends:
         row[f"{b}_first_ms"], first[b] = bench.timed(b, tree)
     ref = (reference.forward("torch", tree) if reference is not None else first["torch"]).float()
@@ -240,7 +272,7 @@ def main(argv=None) -> int:
         save()
     for rep in range(args.repeats):  # backends alternate within a size, so drift falls on all alike
         for q, row in zip(sizes, result["rows"]):
-            for b in timed:
+            for b in (b for b in timed if runs_at(b, q)):
                 times[q][b].append(hf.timed(q) if b == "hf" else bench.timed(b, trees[q])[0])
                 row[f"{b}_ms"] = statistics.median(times[q][b])
         result["rounds_done"] = rep + 1
@@ -255,8 +287,15 @@ def main(argv=None) -> int:
           + f"{'wrong err':>12}")
     for row in result["rows"]:
         print(f"{row['q']:<6}" + "".join(f"{row.get(b + '_ms', float('nan')):14.2f}" for b in timed)
-              + "".join(f"{row[b + '_max_abs_error']:12.4f}" for b in backends) + f"{row['wrong_mask_max_abs_error']:12.4f}")
+              + "".join(f"{row.get(b + '_max_abs_error', float('nan')):12.4f}" for b in backends)
+              + f"{row['wrong_mask_max_abs_error']:12.4f}")
     print("err: max |logit - reference| (" + result["reference"] + "); wrong: the torch backend under a wrong mask")
+    for b in (b for b in FIXED if b in backends):  # issue 47: 32 tokens at most 1.25x one
+        by_q = {row["q"]: row.get(f"{b}_ms") for row in result["rows"]}
+        if by_q.get(1) and by_q.get(32):
+            result[f"{b}_32_over_1"] = by_q[32] / by_q[1]
+            print(f"{b}: a forward of 32 tree tokens costs {by_q[32] / by_q[1]:.2f}x one of 1 token")
+    save()
     print("logits check: " + ("every backend's error is the torch backend's size" if ok
                               else "FAILED (see *_ok in the JSON)"))
     return 0 if ok else 1

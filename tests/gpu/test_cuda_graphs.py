@@ -1,7 +1,10 @@
 """On a CUDA GPU: the EAGLE head's passes replayed from CUDA graphs
 (:mod:`treespec.drafters.graphs`, ``cuda_graphs=True``) draft the trees the same passes draft
 uncaptured, bit for bit, give HF generate's greedy output, serve one request after another,
-and are recaptured when the head's weights move. Skipped without a GPU; run first of the CUDA
+and are recaptured when the head's weights move; the target's verify forward captured
+(``fixed_shapes="graphs"``) gives the eager fixed-shape logits and HF generate's tokens, its
+graphs replayed by a later call (the CPU half, on a fake graph:
+tests/model/test_verify_graphs.py). Skipped without a GPU; run first of the CUDA
 tests by ``benchmarks/figures/gpu_check.sh`` (the code here has had the least GPU time). The
 CPU half (the static passes uncaptured against the lean pass) is in
 tests/drafters/test_eagle_passes.py."""
@@ -133,3 +136,59 @@ def test_cuda_graphs_are_recaptured_when_the_head_moves():
     assert drafter.graphed_row.passes is not first and kept
     assert out.sequences == [hf_greedy(model, p, 12)]
     assert any(q.replays for q in drafter.graphed_row.passes.passes.values())
+
+
+# ---- the verify forward captured (fixed_shapes="graphs") ---------------------------------------
+
+
+@pytest.mark.parametrize("tree", ["chain-3", "eagle2"])
+def test_captured_verify_greedy_equals_hf_generate_and_a_second_call_replays(tree):
+    """``fixed_shapes="graphs"``: every bucket captured before the first prefill, HF generate's
+    greedy tokens on a batch and one request after another, the second call on the first's
+    graphs (nothing captured again), the head's passes captured too; fp32, so that the tokens
+    are exact."""
+    import treespec.fixed_shape as fs
+
+    model, graphed = gpu_eagle(5, cuda_graphs=True)
+    kw = dict(max_new_tokens=24, attention_backend="torch")
+    want = [hf_greedy(model, p, 24) for p in PROMPTS]
+    first = treespec.generate(model, graphed, tree, PROMPTS[:1], fixed_shapes="graphs", **kw)
+    rows = fs._CAPTURED[model]
+    captured = {k: g.graph for k, g in rows.graphs.items()}
+    replays = sum(g.replays for g in rows.graphs.values())
+    second = treespec.generate(model, graphed, tree, PROMPTS[:1], fixed_shapes="graphs", **kw)
+    assert first.sequences == second.sequences == want[:1]
+    assert fs._CAPTURED[model] is rows and {k: g.graph for k, g in rows.graphs.items()} == captured
+    # every step of the second call replayed the first call's graphs (none fell back)
+    assert sum(g.replays for g in rows.graphs.values()) - replays == second.metrics.num_request_steps
+    batch = treespec.generate(model, "ngram", tree if tree != "eagle2" else "cpu", PROMPTS, fixed_shapes="graphs",
+                              **kw)
+    assert batch.sequences == want
+
+
+def test_captured_verify_logits_equal_the_eager_fixed_shape_ones():
+    """One forward of a 20-node tree after a prompt, captured and eager, in fp32: the same
+    logits and features within a GPU's fp32 reassociation."""
+    from treespec.fixed_shape import FixedShapeVerify, fixed_row_tokens
+    from treespec.mask import causal_mask
+    from treespec.runner import FINAL_NORM, ModelRunner
+    from treespec.tree import Tree
+
+    model = tiny_model("llama", 7, hidden=256, heads=4, kv_heads=2, layers=4).to("cuda")
+    runner = ModelRunner(model, "torch", feature_layers=[1, FINAL_NORM])
+    prompt = PROMPTS[2]
+    parents = [-1] + [(i - 1) // 2 for i in range(1, 20)]
+    tree = Tree(parents, [(7 * i + 3) % 64 for i in range(20)])
+    out = {}
+    for graphs in (False, True):
+        cache, seqs = runner.new_rows_cache(1, fixed_row_tokens(len(prompt), 20, "graphs"), 16)
+        with runner.attached():
+            verify = FixedShapeVerify(runner, cache, seqs, graphs=graphs)
+            verify.precompile(32, capture=True)  # before the prefill, as the loop: its padding writes the row's start
+            runner.forward(cache, seqs, [torch.tensor(prompt)], [torch.arange(len(prompt))],
+                           [causal_mask(len(prompt))], logits_rows=[[len(prompt) - 1]])
+            cache.commit(seqs[0], torch.arange(len(prompt)))
+            res = verify.forward(seqs, [tree], [len(prompt)], capture=True)
+            out[graphs] = (res.logits[0].clone(), res.features[0].clone())
+    for a, b in zip(out[False], out[True]):
+        assert a.shape == b.shape and (a - b).abs().max() < 1e-3, (a - b).abs().max()

@@ -46,33 +46,42 @@ def test_dry_run_fails_over_the_carry_limit():
 
 def test_rehearsal_on_a_cpu_runs_every_step(tmp_path):
     """The GPU run's own code path, on a CPU: a tiny model instead of Llama-3.1-8B's shape, the
-    CUDA tests collected and skipped."""
+    CUDA tests collected and skipped; the end-to-end step given pieces that are not the GGUF's
+    refuses them (the one step that fails)."""
+    parts = tmp_path / "parts" / "p1"
+    parts.mkdir(parents=True)
+    (parts / "SmolLM2-135M-Instruct.Q4_1.gguf.part-aa").write_bytes(b"not the model")
+    out = tmp_path / "out"
     run = gpu_check(DEVICE="cpu", SHAPE="tiny", PREFIX="40", SIZES="1,5", REPEATS="1", DRAFT_REPEATS="2",
-                    OUT=str(tmp_path))
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
+                    OUT=str(out), GGUF_PARTS=str(tmp_path / "parts"))
+    assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "do not join into the file of benchmarks/figures/smollm2-gguf.sha256" in run.stdout
+    assert sorted(p.name for p in out.iterdir()) == [
         "cuda-tests.txt", "draft_step.json", "draft_step.txt", "gpu_check.json", "verify_cost.json", "verify_cost.txt"]
-    summary = json.loads((tmp_path / "gpu_check.json").read_text())
+    summary = json.loads((out / "gpu_check.json").read_text())
     assert summary["environment"]["device"] == "cpu" and summary["environment"]["flex"] == "runs"
     assert [(s["name"], s["exit"], s["timed_out"]) for s in summary["steps"]] == [
-        ("verify_cost", 0, False), ("draft_step", 0, False), ("cuda_tests", 0, False)]
-    cost = json.loads((tmp_path / "verify_cost.json").read_text())
-    assert cost["backends"] == ["torch", "flex"] and cost["ok"] and cost["rounds_done"] == 1
+        ("verify_cost", 0, False), ("draft_step", 0, False), ("cuda_tests", 0, False), ("e2e", 1, False)]
+    cost = json.loads((out / "verify_cost.json").read_text())
+    assert cost["backends"] == ["torch", "flex", "fixed"] and cost["ok"] and cost["rounds_done"] == 1
     assert [r["q"] for r in cost["rows"]] == [1, 5]
-    assert all(r["flex_ok"] and r["torch_ms"] > 0 and r["flex_ms"] > 0 for r in cost["rows"])
+    assert all(r["flex_ok"] and r["fixed_ok"] and r["torch_ms"] > 0 and r["flex_ms"] > 0 and r["fixed_ms"] > 0
+               for r in cost["rows"])
+    assert "fixed_32_over_1" not in cost  # no 32 among the sizes: no ratio
     row = cost["rows"][1]  # the wrong mask errs far more than bf16 does: the check can fail
     assert row["wrong_mask_max_abs_error"] > 5 * row["torch_max_abs_error"] and cost["reference"] == "fp32"
     assert all(r.get("hf_ms", 0) > 0 for r in cost["rows"]), "the HF forward timing was skipped: " + run.stdout[-2000:]
     assert all(r["bound_catches_wrong_mask"] for r in cost["rows"])
-    draft = json.loads((tmp_path / "draft_step.json").read_text())
+    draft = json.loads((out / "draft_step.json").read_text())
     assert draft["ok"] and [r["k"] for r in draft["rows"]] == [1, 4, 8]
     assert all(r["eager_ms"] > 0 and "graph_ms" not in r for r in draft["rows"])  # a CPU has no graphs
     assert [r["variant"] for r in draft["session"]] == ["eager", "static"]  # treespec's drafter, no graphs here
     assert all(r["propose_ms"] > 0 and r["commit_ms"] > 0 and r["nodes"] > 1 for r in draft["session"])
-    assert "skipped" in (tmp_path / "cuda-tests.txt").read_text()
+    assert "skipped" in (out / "cuda-tests.txt").read_text()
 
 
-def test_the_end_to_end_script_parses():
-    run = subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "figures" / "gpu_e2e.sh")], capture_output=True,
-                         text=True)
-    assert run.returncode == 0, run.stderr
+def test_the_end_to_end_and_staging_scripts_parse():
+    for name in ("gpu_e2e.sh", "gpu_stage.sh"):
+        run = subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "figures" / name)], capture_output=True,
+                             text=True)
+        assert run.returncode == 0, run.stderr

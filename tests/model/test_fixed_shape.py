@@ -133,7 +133,7 @@ def test_the_smallest_bucket_that_holds_the_tree_runs():
     assert [bucket_for(n) for n in (1, 2, 4, 5, 16, 17, 64, 65)] == [1, 4, 4, 8, 16, 32, 64, None]
     prompt, tree = [3, 1, 4], Tree.chain(5, [1, 2, 3, 4, 5, 6])  # 6 tokens: bucket 8
     _, got, verify, _ = both_forwards(model_of("llama"), [prompt], [tree])
-    assert list(verify._buffers) == [8]
+    assert list(verify._rows.buffers) == [8]
 
 
 def test_a_tree_past_the_largest_bucket_runs_todays_forward():

@@ -121,6 +121,8 @@ class BenchSettings:
     warmup:   one untimed generate per configuration on a short prompt first (first calls
               run several times slower: allocations, kernel selection).
     attention_backend: treespec's (``generate``'s ``attention_backend``).
+    verify_graphs: on a CUDA device, treespec's verify forward captured in CUDA graphs
+              (``generate(..., fixed_shapes="graphs")``) where a configuration is not compiled.
     fast_path: a context manager (e.g. :class:`~treespec.packing.PackedLinears`) that every
               configuration with ``fast=True`` runs inside; plain HF generate runs outside it,
               ``BenchConfig.hf_generate(fast=True)`` inside: the faster of the two is the
@@ -148,6 +150,7 @@ class BenchSettings:
     seed: int | None = 0
     warmup: bool = True
     attention_backend: str = "auto"
+    verify_graphs: bool = False
     fast_path: Any = None
     near_tie_tolerance: float | None = None
     auto_profile: Any = None

@@ -42,7 +42,7 @@ def journal_key(model, prompts: list[Prompt], active: list[ConfigResult], s: Ben
         "max_new_tokens": s.max_new_tokens, "sampling": dataclasses.asdict(s.sampling), "seed": s.seed,
         "options": {k: repr(v) for k, v in sorted(s.options.items())}, "dtype": str(dtype).removeprefix("torch."),
         "packed": None if s.packing is None else bool(s.packing.pack), "threads": torch.get_num_threads(),
-        "attention_backend": s.attention_backend, "near_tie_tolerance": tolerance,
+        "attention_backend": s.attention_backend, "verify_graphs": s.verify_graphs, "near_tie_tolerance": tolerance,
         # Timings of one machine only: another CPU or library version starts a new journal.
         "machine": {k: v for k, v in machine_info().items()
                     if k in ("cpu", "cpu_id", "cpu_count", "torch", "transformers", "treespec", "cuda")},

@@ -100,7 +100,7 @@ def _run_one_inner(model, cfg: BenchConfig, prompt: list[int], max_new_tokens: i
             model, cfg.drafter, cfg.tree, prompt, max_new_tokens=max_new_tokens,
             temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p,
             seed=seed, attention_backend=s.attention_backend, auto_profile=profile, tokenizer=s.tokenizer,
-            fixed_shapes="compile" if cfg.compiled else False, **s.options,
+            fixed_shapes="compile" if cfg.compiled else "graphs" if s.verify_graphs else False, **s.options,
         )
         seconds = time.perf_counter() - t0
         m = out.metrics

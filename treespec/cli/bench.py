@@ -133,7 +133,8 @@ def run(args):
     try:
         res = run_bench(loaded.model, prompts, _configs(args, loaded, pairs, trees), max_new_tokens=args.max_new_tokens,
                         temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p, seed=args.seed,
-                        warmup=args.warmup, attention_backend=args.backend, callback=progress, fast_path=loaded.fast,
+                        warmup=args.warmup, attention_backend=args.backend, verify_graphs=args.cuda_graphs,
+                        callback=progress, fast_path=loaded.fast,
                         auto_profile=profile, options=generation_options(args), tokenizer=loaded.tokenizer,
                         packing=loaded.packing, journal=journal)
     except KeyboardInterrupt:

@@ -92,6 +92,14 @@ def generation_options(args) -> dict:
     return {k: getattr(args, flag) for k, flag in fields.items() if getattr(args, flag, None) is not None}
 
 
+def fixed_shapes_of(args) -> bool | str:
+    """The verify forward's ``fixed_shapes`` as the flags set it: compiled (--compile), captured
+    in CUDA graphs with the head's passes (--cuda-graphs), else on each step's own shapes."""
+    if getattr(args, "compiled", False):
+        return "compile"
+    return "graphs" if getattr(args, "cuda_graphs", False) else False
+
+
 def add_runtime(p, *, device: str = "auto", dtype: str = "auto", pack: bool | None = None,
                 graphs: bool = True, compile: bool = False):
     """--backend, --cuda-graphs (``graphs``: where a drafter runs), --compile (``compile``: generate
@@ -105,8 +113,9 @@ def add_runtime(p, *, device: str = "auto", dtype: str = "auto", pack: bool | No
                         "dtype and head size, else torch; flex: "
                         "PyTorch's flex_attention, compiled with triton on CUDA, nothing to install)")
     if graphs:  # not for capture, which runs the target alone
-        p.add_argument("--cuda-graphs", action="store_true", help="on a CUDA GPU, replay the EAGLE head's passes "
-                       "from CUDA graphs (one request at a time; other drafters run eagerly)")
+        p.add_argument("--cuda-graphs", action="store_true", help="on a CUDA GPU, replay the target's verify "
+                       "forward (on fixed shapes, a graph a tree size) and the EAGLE head's passes (one request at a "
+                       "time; other drafters run eagerly) from CUDA graphs")
     if compile:  # generate's and chat's; bench's --compile adds compiled twins instead
         p.add_argument("--compile", dest="compiled", action="store_true", help="compile the verify forward on fixed "
                        "shapes and an EAGLE head's passes (torch.compile; a process's first call compiles: up to 8 "

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable
 
 from .bars import Bars
 from .common import DEFAULT_DRAFT, DEFAULT_SPEC, UserError, auto_profile, check_early, generation_options, log
-from .common import sampling, split_rows
+from .common import fixed_shapes_of, sampling, split_rows
 from .specs import LOOKUP_SUFFIX, HeadForAnotherModel, check_draft_spec, tree
 
 __all__ = ["LOOKUP_SUFFIX", "check_draft_spec", "tree", "check", "stream_options", "load", "load_model", "drafter",
@@ -45,7 +45,7 @@ def stream_options(args, sp, cfg) -> dict:
         log.warning("--auto-profile is for the auto tree: --tree %s does not use it", args.tree)
     return dict(max_new_tokens=args.max_new_tokens, temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p,
                 min_p=sp.min_p, seed=args.seed, attention_backend=args.backend, auto_profile=auto_profile(args)
-                if cfg.auto else None, fixed_shapes=args.compiled and "compile", **generation_options(args))
+                if cfg.auto else None, fixed_shapes=fixed_shapes_of(args), **generation_options(args))
 
 
 # ---- loading -----------------------------------------------------------------------------
@@ -109,7 +109,7 @@ def drafter(spec: str, model, tokenizer, backend: str, head_kw: dict | None = No
     head_kw = head_kw or {}
     if head_kw.get("cuda_graphs") and (spec in ("ngram", "none") or spec.startswith(("layers:", "model:"))) \
             and not spec.endswith(LOOKUP_SUFFIX):  # a graft's primary is checked on its own
-        log.warning("--cuda-graphs applies to EAGLE heads: the %s drafter runs eagerly", spec)
+        log.warning("--cuda-graphs replays the verify forward and EAGLE heads: the %s drafter runs eagerly", spec)
     if spec.endswith(LOOKUP_SUFFIX):
         from ..drafters import HybridDrafter
 

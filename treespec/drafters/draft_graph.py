@@ -47,7 +47,7 @@ from ..builder import Frontier, best_of_pool, dynamic_pool
 from ..config import TreeConfig
 from ..fixed_shape import keys_in_use
 from ..tree import Tree
-from .graphs import StaticPasses, compiled_on, head_pass, launch_body
+from .graphs import StaticPasses, compiled_on, head_dtype, head_pass, launch_body
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class _Launched:
         if shared.compiled is not None:  # one compiled function a body, for the row: dynamic sizes share it
             key = (fn, self._key())
             if key not in shared.compiled_bodies:
-                shared.compiled_bodies[key] = compiled_on(fn, shared.keys.device)
+                shared.compiled_bodies[key] = compiled_on(fn, shared.keys.device, head_dtype(shared.head))
             self._run = shared.compiled_bodies[key]
         self._compiled_once = False
 

@@ -55,14 +55,15 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..compiled import COMPILED_MIN_ROW, COMPILED_VERIFY_ROW, compile_fixed, cpu_options, own_code, pow2_row
+from ..compiled import (COMPILED_MIN_ROW, COMPILED_VERIFY_ROW, capture_graph, compile_fixed, cpu_options, own_code,
+                        pow2_row)
 from ..fixed_shape import KEY_STEP, keys_in_use
 from ..kv_cache import PagedKVCache
 from ..packing import dense_in_compiled_graphs
 
 log = logging.getLogger(__name__)
 
-__all__ = ["StaticPasses", "GraphedRow", "head_pass", "compiled_on", "capture_graph", "launch_body"]
+__all__ = ["StaticPasses", "GraphedRow", "head_pass", "compiled_on", "launch_body"]
 
 
 class StaticPasses:
@@ -88,7 +89,7 @@ class StaticPasses:
         self._compiled_once = False
         self._shared = _Shared(head, keys, values, head.rope_table(keys.shape[0]),  # positions < L + m <= C
                                torch.cuda.graph_pool_handle() if capture else None,  # one pool for all shapes
-                               compiled_on(head_pass, keys.device) if compile else None)
+                               compiled_on(head_pass, keys.device, head_dtype(head)) if compile else None)
 
     @classmethod
     def over_row(cls, head, cache: PagedKVCache, seq: int, capture: bool, max_entries: int,
@@ -171,17 +172,17 @@ class StaticPasses:
         return p.states.clone(), p.logp.clone()
 
 
-def compiled_on(fn: Callable, device: torch.device) -> Callable:
+def compiled_on(fn: Callable, device: torch.device, dtype: torch.dtype = torch.float32) -> Callable:
     """``fn`` (a function of the head and its row, :func:`head_pass` or the whole draft)
-    compiled; on a CPU with the head's weights frozen into the graph, so that inductor generates
-    its products (:func:`~treespec.compiled.cpu_options`), packed layers included
-    (:func:`~treespec.packing.dense_in_compiled_graphs`)."""
+    compiled; on a CPU with the head's weights (of ``dtype``) frozen into the graph, so that
+    inductor generates its products (:func:`~treespec.compiled.cpu_options`), packed layers
+    included (:func:`~treespec.packing.dense_in_compiled_graphs`)."""
     if device.type != "cpu":
         return compile_fixed(fn)
     # A code object of its own: dynamo keeps graphs per code object, and the weights are
     # constants of these graphs, which its guards (on the tensors' identity) do not see change.
     own = own_code(fn)
-    compiled = compile_fixed(own, cpu_options())
+    compiled = compile_fixed(own, cpu_options(dtype))
 
     def run(*args):
         with dense_in_compiled_graphs():
@@ -191,6 +192,11 @@ def compiled_on(fn: Callable, device: torch.device) -> Callable:
     # them with the passes, or every rebuild would keep its frozen weights alive.
     weakref.finalize(run, _forget_code, own.__code__)
     return run
+
+
+def head_dtype(head) -> torch.dtype:
+    """The dtype of ``head``'s weights (what :func:`compiled_on` compiles for)."""
+    return next(head.parameters()).dtype
 
 
 def _forget_code(code: types.CodeType) -> None:
@@ -305,21 +311,6 @@ def launch_body(holder, shared: "_Shared") -> None:
             log.debug("captured %s in a CUDA graph", holder)
         holder.graph.replay()
     holder.replays += 1
-
-
-def capture_graph(body: Callable[[], None], pool) -> "torch.cuda.CUDAGraph":
-    """``body`` captured in a CUDA graph (in the memory ``pool``), on the current device. Warmed
-    up on a side stream first (lazy initialisation, kernel choice), as torch.cuda.graphs asks:
-    the bodies' K/V writes are idempotent, so running twice is safe."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        body()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        body()
-    return graph
 
 
 def head_pass(head, keys, values, cos_table, sin_table, tokens, hidden, positions, slots, mask):

@@ -217,7 +217,7 @@ def _set_up(run: Run, max_nodes: int, metrics: SpecMetrics, timer: "_StepTimer")
     accept = not run.output_scores and all(d.greedy and not d.processor for d in run.decodings)
     fixed = _fixed_verify(runner, cache, cache_seqs, max_nodes, metrics, accept)
     sizing = time.perf_counter()
-    auto = _controller(run, max_nodes, fixed if runner.fixed_shapes == "compile" else None)
+    auto = _controller(run, max_nodes, fixed if runner.fixed_shapes in ("compile", "graphs") else None)
     timer.discount(metrics.compile_seconds + time.perf_counter() - sizing)
     return cache, cache_seqs, fixed, auto
 
@@ -225,12 +225,13 @@ def _set_up(run: Run, max_nodes: int, metrics: SpecMetrics, timer: "_StepTimer")
 def _fixed_verify(runner: ModelRunner, cache, seqs, max_nodes: int, metrics: SpecMetrics,
                   accept: bool) -> FixedShapeVerify | None:
     """The verify forward on fixed shapes, when asked (its buffers live as long as the rows),
-    with ``accept`` the acceptance rule and the K/V's compaction inside it; compiled, every
-    bucket a tree can take is compiled here, before the prompts' K/V go in (the seconds in
-    ``metrics.compile_seconds``)."""
+    with ``accept`` the acceptance rule and the K/V's compaction inside it; compiled or
+    captured, every bucket a tree can take is compiled or captured here, before the prompts' K/V
+    go in (the seconds in ``metrics.compile_seconds``)."""
     if not runner.fixed_shapes:
         return None
-    fixed = FixedShapeVerify(runner, cache, seqs, compile=runner.fixed_shapes == "compile", accept=accept)
+    fixed = FixedShapeVerify(runner, cache, seqs, compile=runner.fixed_shapes == "compile", accept=accept,
+                             graphs=runner.fixed_shapes == "graphs")
     metrics.compile_seconds += fixed.precompile(max_nodes + 1, capture=bool(runner.feature_layers))
     return fixed
 
@@ -326,7 +327,7 @@ def _prefix_use(cache: PrefixCache | None, runner: ModelRunner, drafter: Drafter
 
 def _controller(run: Run, max_nodes: int, fixed: FixedShapeVerify | None) -> AutoController | _NoAuto:
     """An :class:`AutoController` for an ``auto`` tree (its cost curve read or measured first:
-    ``fixed``'s buckets when given, the compiled verify), else the no-op one."""
+    ``fixed``'s buckets when given, the compiled or captured verify), else the no-op one."""
     cfg, batch = run.tree_cfg, len(run.prompts)
     if not cfg.auto:
         return _NoAuto()

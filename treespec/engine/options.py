@@ -105,8 +105,10 @@ class GenerationOptions:
         attending over the row's whole length (docs/runtime.md, "Fixed-shape verify");
         ``"compile"``: the same through ``torch.compile``, once per bucket and row length, every
         bucket the tree can take compiled before the prefill (seconds to minutes each; the
-        seconds in ``metrics.compile_seconds``). The tokens are those of the default, False (each
-        step's own shapes, up to rounding near-ties in bf16).""")
+        seconds in ``metrics.compile_seconds``); ``"graphs"`` (the model on a CUDA device): the
+        same captured in a CUDA graph a bucket before the prefill and replayed, the graphs kept
+        for the model's later calls. The tokens are those of the default, False (each step's own
+        shapes, up to rounding near-ties in bf16).""")
 
     @classmethod
     def split(cls, caller: str, keywords: dict) -> tuple["GenerationOptions", dict]:
