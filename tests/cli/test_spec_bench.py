@@ -111,6 +111,26 @@ def test_two_turns_each_after_the_own_answer_and_greedy_exact(chat_lm):
     assert spec["num_generated"] == 12 and len(spec["accepted"]) == spec["num_request_steps"]
 
 
+def test_hf_compiled_runs_every_call_on_one_static_cache(chat_lm, monkeypatch):
+    """HF generate's compiled baseline sizes its static cache once for the bench (both turns of
+    the longest conversation fit) and its warm-up fills it: every call, warm-up included, runs on
+    that one cache length, so its decode compiles once, before the timed calls (as a cache
+    outgrown in a timed call would compile again inside it)."""
+    model, tok = chat_lm
+    prompts, _ = load_bench_prompts("spec-bench:conversation", tok, 2)
+    calls = []  # (input length, max_new_tokens, max_cache_len) of each HF call
+    monkeypatch.setattr(type(model), "generate", lambda self, ids, generation_config=None, **kw: (
+        calls.append((ids.shape[1], generation_config.max_new_tokens, generation_config.max_cache_len)),
+        torch.cat([ids, torch.zeros(1, generation_config.max_new_tokens, dtype=ids.dtype)], 1))[1])
+    run_bench(model, prompts, [BenchConfig.hf_generate_compiled()], max_new_tokens=6, tokenizer=tok, warmup=True)
+    compiled = [c for c in calls if c[2] is not None]  # the plain baseline's calls have no static cache
+    assert len(calls) == 2 * len(compiled) and len(compiled) == 1 + 2 * 2  # a warm-up, two turns a prompt
+    bound = compiled[0][2]
+    assert bound == 1 << (bound.bit_length() - 1) and all(c == bound for _, _, c in compiled)
+    assert compiled[0][0] + compiled[0][1] == bound  # the warm-up fills it
+    assert all(n + new <= bound for n, new, _ in compiled[1:])
+
+
 def test_a_second_turn_difference_is_judged_in_that_turn(chat_lm, monkeypatch):
     """A wrong token in turn 2 only: found at its place in the whole output, and judged
     (unexplained) against the fp32 model given turn 2's own prompt."""

@@ -123,6 +123,10 @@ class BenchSettings:
     attention_backend: treespec's (``generate``'s ``attention_backend``).
     verify_graphs: on a CUDA device, treespec's verify forward captured in CUDA graphs
               (``generate(..., fixed_shapes="graphs")``) where a configuration is not compiled.
+    hf_cache_len: the length of the static cache HF generate's compiled baseline runs on, the
+              same in every call so that its decode compiles once, in the warm-up (a call that
+              outgrows it allocates a longer one and compiles again, inside its time); None:
+              :func:`~treespec.bench.run_bench` sizes it for the prompts.
     fast_path: a context manager (e.g. :class:`~treespec.packing.PackedLinears`) that every
               configuration with ``fast=True`` runs inside; plain HF generate runs outside it,
               ``BenchConfig.hf_generate(fast=True)`` inside: the faster of the two is the
@@ -151,6 +155,7 @@ class BenchSettings:
     warmup: bool = True
     attention_backend: str = "auto"
     verify_graphs: bool = False
+    hf_cache_len: int | None = None
     fast_path: Any = None
     near_tie_tolerance: float | None = None
     auto_profile: Any = None

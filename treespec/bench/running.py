@@ -17,7 +17,7 @@ from ..divergence import NEAR_TIE_TOLERANCE
 from ..engine import generate as ts_generate
 from ..prompts import Prompt
 from ..sampling_args import SamplingParams
-from .configs import HF_LOOKUP, TREESPEC, BenchConfig, BenchSettings
+from .configs import HF_GENERATE, HF_LOOKUP, TREESPEC, BenchConfig, BenchSettings
 from .journal import Journal, journal_key
 from .judge import Judge
 from .results import BenchProgress, BenchResult, ConfigResult, RunRecord
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 
 def _generation_config(model, max_new_tokens: int, sp: SamplingParams, lookup: int | None, compiled: bool = False,
-                       **options):
+                       cache_len: int | None = None, **options):
     """A GenerationConfig holding exactly our settings: the model's own generation config may
     carry sampling defaults (top_k=50, ...) that would silently change the baseline."""
     from transformers import CompileConfig, GenerationConfig
@@ -45,7 +45,28 @@ def _generation_config(model, max_new_tokens: int, sp: SamplingParams, lookup: i
         compile_config = CompileConfig(fullgraph=True, dynamic=False)
         compile_config._compile_all_devices = True  # transformers compiles only on GPUs unless told
         kw.update(cache_implementation="static", compile_config=compile_config)
+        if cache_len is not None and hasattr(GenerationConfig(), "max_cache_len"):  # transformers >= 5.2x
+            kw["max_cache_len"] = cache_len  # every call on one cache size: one compile
     return GenerationConfig(**kw)
+
+
+def hf_cache_len(prompts: Sequence[Prompt], max_new_tokens: int) -> int:
+    """A static cache length every call of the bench fits in (a later turn holds the earlier
+    turns and answers: twice a turn's length counted for each), a power of two."""
+    need = max(p.num_turns * (2 * len(p.ids) + max_new_tokens) for p in prompts)
+    return 1 << (need - 1).bit_length()
+
+
+def _warmup_prompt(cfg: BenchConfig, prompts: Sequence[Prompt], s: BenchSettings) -> list[int]:
+    """The warm-up's prompt: the first prompt's first 16 tokens; for HF's compiled baseline as
+    long as its static cache allows, so that the warm-up allocates that cache and compiles for
+    it (transformers reuses a static cache that is long enough), also where transformers has no
+    ``max_cache_len``."""
+    ids = list(prompts[0].ids)
+    if not (cfg.kind == HF_GENERATE and cfg.compiled):
+        return ids[:16]
+    n = s.hf_cache_len - min(16, s.max_new_tokens)
+    return (ids * (n // len(ids) + 1))[:n]
 
 
 def _run_one(model, cfg: BenchConfig, prompt: list[int], max_new_tokens: int, seed: int | None, s: BenchSettings,
@@ -112,7 +133,7 @@ def _run_one_inner(model, cfg: BenchConfig, prompt: list[int], max_new_tokens: i
         return RunRecord(list(out.sequences[0]), seconds, summary)
 
     gc = _generation_config(model, max_new_tokens, sp, cfg.lookup_tokens if cfg.kind == HF_LOOKUP else None,
-                            compiled=cfg.compiled, **s.options)
+                            compiled=cfg.compiled, cache_len=s.hf_cache_len, **s.options)
     ids = torch.tensor([prompt], device=model.device)  # [1, L]
     if seed is not None:
         torch.manual_seed(seed)
@@ -143,6 +164,8 @@ def run_bench(model, prompts: Sequence[Sequence[int] | Prompt], configs: Sequenc
     """
     s = _settings(settings, fields)
     prompts = _as_prompts(prompts, s.tokenizer)
+    if s.hf_cache_len is None:
+        s = dataclasses.replace(s, hf_cache_len=hf_cache_len(prompts, s.max_new_tokens))
     callback = callback or (lambda progress: None)
     results, notes = _results(configs, s.sampling, s.options, any(p.num_turns > 1 for p in prompts))
     active = [r for r in results if r.skipped is None]
@@ -158,7 +181,7 @@ def run_bench(model, prompts: Sequence[Sequence[int] | Prompt], configs: Sequenc
     if s.warmup and done < len(prompts):  # first calls run several times slower (allocations, kernel selection)
         for i, r in enumerate(active):
             t0 = time.perf_counter()
-            _run_one(model, r.config, list(prompts[0].ids[:16]), min(16, s.max_new_tokens), s.seed, s,
+            _run_one(model, r.config, _warmup_prompt(r.config, prompts, s), min(16, s.max_new_tokens), s.seed, s,
                      profiles.get(r.config.name))
             r.warmup_seconds = time.perf_counter() - t0
             callback(BenchProgress("warmup", i + 1, len(active), r.config.name))
