@@ -1,6 +1,7 @@
 """``torch.compile`` and CUDA graphs as treespec uses them on fixed shapes: the verify forward
 (:mod:`treespec.fixed_shape`) and the draft head's passes (:mod:`treespec.drafters.graphs`).
-A body is captured in a CUDA graph with :func:`capture_graph`.
+A body is captured in a CUDA graph with :func:`capture_graph`, and replayed (captured on first
+use) with :func:`replay`.
 
 :func:`compile_fixed` compiles with dynamo's recompile limit raised to :data:`RECOMPILE_LIMIT`
 (one compiled version per bucket and row length). On a CPU the verify forward compiles with
@@ -17,6 +18,7 @@ operation (``treespec::packed_linear``) on the one packed copy the eager forward
 from __future__ import annotations
 
 import contextlib
+import logging
 import types
 import warnings
 import weakref
@@ -24,7 +26,9 @@ from typing import Callable
 
 import torch
 
-__all__ = ["compile_fixed", "capture_graph", "compile_for_model", "own_code", "cpu_options", "templates_active",
+log = logging.getLogger(__name__)
+
+__all__ = ["compile_fixed", "capture_graph", "replay", "compile_for_model", "own_code", "cpu_options", "templates_active",
            "GEMM_TEMPLATES",
            "SKIP_MODULE_GUARDS", "pow2_row", "RECOMPILE_LIMIT", "COMPILED_MIN_ROW", "COMPILED_VERIFY_ROW"]
 
@@ -70,11 +74,12 @@ def cpu_options(dtype: torch.dtype = torch.float32) -> dict:
 
 def templates_fit(dtype: torch.dtype) -> bool:
     """Whether inductor's GEMM templates may take a ``dtype`` model's products on this CPU. Not a
-    bf16 or fp16 one below AVX-512: on an AVX2 AMD EPYC (Zen 3, torch 2.13) a bf16 SmolLM-shaped
-    tiny model compiled with them gave logits 31.7 off its eager ones (18 at most), where the same
-    without the templates differed by 0.13 and fp32 by 3e-6
+    bf16 or fp16 one below AVX-512: on an AVX2 AMD EPYC (Zen 3, torch 2.13) a bf16 tiny model
+    compiled with them gave logits 31.7 off its eager ones (18 at most), where the test's bound is
+    2% of that
     (``tests/model/test_fixed_shape.py::test_two_models_of_one_shape_each_run_their_own_compiled_graphs``
-    failed there); the templates' speed was measured on AMX and AVX-512 only."""
+    failed there, and passes without them); the templates' speed was measured on AMX and AVX-512
+    only."""
     if dtype not in (torch.bfloat16, torch.float16):
         return True
     return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
@@ -177,3 +182,15 @@ def capture_graph(body: Callable[[], None], pool) -> "torch.cuda.CUDAGraph":
     with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         body()
     return graph
+
+
+def replay(holder, body: Callable[[], None], pool, device: torch.device) -> None:
+    """Replay ``holder.graph``, ``body`` captured into it (in ``pool``) on first use, on
+    ``device`` (streams, captures and their pools belong to the current CUDA device: one on
+    another device would be captured as an empty graph); ``holder.replays`` counts them."""
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        if holder.graph is None:
+            holder.graph = capture_graph(body, pool)
+            log.debug("captured %s in a CUDA graph", holder)
+        holder.graph.replay()
+    holder.replays += 1

@@ -49,7 +49,6 @@ C a row's capacity, V vocabulary, F features, H query heads, Hkv key heads, D he
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import logging
@@ -62,8 +61,7 @@ import torch
 import torch.nn.functional as F
 
 from .accept import Verdict, accept_fixed, first_argmax, verdicts_of
-from .compiled import (COMPILED_MIN_ROW, COMPILED_VERIFY_ROW, capture_graph, compile_for_model, cpu_options,
-                       pow2_row)
+from .compiled import COMPILED_MIN_ROW, COMPILED_VERIFY_ROW, compile_for_model, cpu_options, pow2_row, replay
 from .kv_cache import PagedKVCache
 from .runner import ForwardOutput, drop_spare_storage
 from .tree import Tree
@@ -150,9 +148,13 @@ class _Captured:
     """One bucket's forward captured in a CUDA graph, and the outputs its replays overwrite (and
     may any later replay of another graph of the pool: they hold until the next forward)."""
 
+    key: tuple  # (N, features, acceptance, feature layers)
     graph: object = None  # torch.cuda.CUDAGraph
     outputs: tuple = ()  # (logits, features, packed) as the body returns them
     replays: int = 0
+
+    def __repr__(self):
+        return "the verify forward of {} tokens a row (features: {}, acceptance: {})".format(*self.key)
 
 
 @dataclass(eq=False)
@@ -345,6 +347,7 @@ class FixedShapeVerify:
         if compile and runner.feature_layers:
             _install_output_hooks(runner.model)
         self.compiled, self.accepts, self.graphs = compile, accept, graphs
+        self._layers = tuple(runner.feature_layers or ())  # with the bucket, features and acceptance: a graph's key
         # On a CPU each forward attends over the longest row's keys rounded up to KEY_STEP, a size
         # the compiled forward takes as symbolic (one compile serves every length); a CUDA graph
         # replays fixed shapes, so there every forward attends over the whole row.
@@ -380,8 +383,7 @@ class FixedShapeVerify:
         capture = capture and bool(self.runner.feature_layers)
         for n in (b for b in self.buckets if b <= top):
             key = (kinds, self.attention.rows, self.capacity, self.attention.first, n, capture, self.accepts)
-            graph_key = (n, capture, self.accepts, tuple(self.runner.feature_layers or ()))
-            if graph_key in self._rows.graphs or (key in seen and not self.graphs):
+            if (n, capture, self.accepts, self._layers) in self._rows.graphs or (key in seen and not self.graphs):
                 continue
             device, _ = self._bucket(n)
             device.ids.zero_()
@@ -468,21 +470,14 @@ class FixedShapeVerify:
     def _replay(self, b: _Bucket, span: torch.Tensor, capture: bool, accept: bool):
         """:meth:`_body`'s outputs, from its CUDA graph for this bucket (captured on first use).
         Accepting, the logits are not kept: nothing reads them, and the pool reuses their memory."""
-        key = (b.ids.shape[1], capture, accept, tuple(self.runner.feature_layers or ()))
-        held = self._rows.graphs.get(key)
-        with _on_device(self.cache.device):
-            if held is None:
-                held = _Captured()
+        key = (b.ids.shape[1], capture, accept, self._layers)
+        held = self._rows.graphs.setdefault(key, _Captured(key))
 
-                def body():
-                    logits, features, packed = self._body(b, span, capture, accept)
-                    held.outputs = (None if accept else logits, features, packed)
+        def body():
+            logits, features, packed = self._body(b, span, capture, accept)
+            held.outputs = (None if accept else logits, features, packed)
 
-                held.graph = capture_graph(body, self._rows.pool)
-                self._rows.graphs[key] = held
-                log.debug("captured the verify forward of %d tokens a row (features: %s, acceptance: %s)", *key[:3])
-            held.graph.replay()
-        held.replays += 1
+        replay(held, body, self._rows.pool, self.cache.device)
         return held.outputs
 
     def _body(self, b: _Bucket, span: torch.Tensor, capture: bool, accept: bool):
@@ -512,11 +507,6 @@ class FixedShapeVerify:
         if features is not None:
             features = features.gather(1, path[..., None].expand(-1, -1, features.shape[-1]))
         return logits, features, packed
-
-
-def _on_device(device: torch.device):
-    """Streams, captures and their pools belong to the current CUDA device: make it ``device``'s."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _install_output_hooks(model) -> None:

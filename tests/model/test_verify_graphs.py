@@ -35,6 +35,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import treespec
+import treespec.compiled as compiled_mod
 import treespec.fixed_shape as fs
 import treespec.runner as runner_mod
 from helpers.pairs import pair
@@ -87,7 +88,7 @@ def fake_graphs(monkeypatch) -> list:
         graph.replay()  # the capture itself, where a read back fails
         return graph
 
-    monkeypatch.setattr(fs, "capture_graph", capture)
+    monkeypatch.setattr(compiled_mod, "capture_graph", capture)
     monkeypatch.setattr(fs, "_CAPTURED", weakref.WeakKeyDictionary())
     monkeypatch.setattr(runner_mod, "check_graphs_device", lambda device: None)
     monkeypatch.setattr(runner_mod, "_SPARE_KV", weakref.WeakKeyDictionary())

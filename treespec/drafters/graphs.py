@@ -55,8 +55,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..compiled import (COMPILED_MIN_ROW, COMPILED_VERIFY_ROW, capture_graph, compile_fixed, cpu_options, own_code,
-                        pow2_row)
+from ..compiled import COMPILED_MIN_ROW, COMPILED_VERIFY_ROW, compile_fixed, cpu_options, own_code, pow2_row, replay
 from ..fixed_shape import KEY_STEP, keys_in_use
 from ..kv_cache import PagedKVCache
 from ..packing import dense_in_compiled_graphs
@@ -303,14 +302,7 @@ def launch_body(holder, shared: "_Shared") -> None:
     if shared.pool is None:  # not captured: run eagerly
         holder._body()
         return
-    # On the head's GPU: streams, the capture and its pool belong to the current device,
-    # and a head on another one would be captured as an empty graph.
-    with torch.cuda.device(shared.keys.device):
-        if holder.graph is None:
-            holder.graph = capture_graph(holder._body, shared.pool)
-            log.debug("captured %s in a CUDA graph", holder)
-        holder.graph.replay()
-    holder.replays += 1
+    replay(holder, holder._body, shared.pool, shared.keys.device)  # on the head's GPU
 
 
 def head_pass(head, keys, values, cos_table, sin_table, tokens, hidden, positions, slots, mask):
