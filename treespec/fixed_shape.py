@@ -60,8 +60,9 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from .accept import Verdict, accept_fixed, first_argmax, verdicts_of
+from .accept import RequestDecoding, Verdict, accept_fixed, first_argmax, verdicts_of
 from .compiled import COMPILED_MIN_ROW, COMPILED_VERIFY_ROW, compile_for_model, cpu_options, pow2_row, replay
+from .device_sampling import SamplingRows, row_warp, sampled_choices
 from .kv_cache import PagedKVCache
 from .runner import ForwardOutput, drop_spare_storage
 from .tree import Tree
@@ -172,6 +173,7 @@ class _Rows:
     pool: object = None
     storage: torch.Tensor | None = None
     key: tuple = ()
+    sampling: SamplingRows | None = None  # sampled acceptance inside: the rows' warpers and noise
 
 
 def _rows_for(runner, cache: PagedKVCache, first: int, rows: int, stride: int, graphs: bool) -> _Rows:
@@ -322,6 +324,11 @@ class FixedShapeVerify:
                  place (:func:`~treespec.accept.accept_fixed`, :meth:`PagedKVCache.move`), all
                  inside the compiled or captured body, and reads back one small tensor a step:
                  :meth:`forward` then returns :class:`Accepted`.
+        sampling: with ``accept``, the decoding of each sequence that samples (seq -> its
+                 :class:`~treespec.accept.RequestDecoding`; the others greedy): the choice at each
+                 token is then its warped scores' and its position's noise's
+                 (``treespec/device_sampling.py``). ValueError when a decoding's processors are not
+                 only the warpers that module applies.
         graphs:  capture each bucket's forward in a CUDA graph on first use (or in
                  :meth:`precompile`) and replay it; the graphs outlive this object, for the
                  model's next cache on the same storage (:class:`_Rows`). The outputs of a
@@ -329,7 +336,8 @@ class FixedShapeVerify:
     """
 
     def __init__(self, runner, cache: PagedKVCache, seqs: Sequence[int], compile: bool = False,
-                 buckets: Sequence[int] = BUCKETS, accept: bool = False, graphs: bool = False):
+                 buckets: Sequence[int] = BUCKETS, accept: bool = False, graphs: bool = False,
+                 sampling: dict[int, RequestDecoding] | None = None):
         block = cache.block_rows(seqs, 0)
         if block is None or not seqs:
             raise ValueError("the verify forward on fixed shapes needs the cache's sequences in one block of rows "
@@ -347,6 +355,9 @@ class FixedShapeVerify:
         if compile and runner.feature_layers:
             _install_output_hooks(runner.model)
         self.compiled, self.accepts, self.graphs = compile, accept, graphs
+        self._uses = self._set_sampling(runner, sampling) if sampling else None
+        if self._uses is not None:  # a key of its own: the compiled or captured body differs
+            self.accepts = ":".join(["sample", *sorted(self._uses)])
         self._layers = tuple(runner.feature_layers or ())  # with the bucket, features and acceptance: a graph's key
         # On a CPU each forward attends over the longest row's keys rounded up to KEY_STEP, a size
         # the compiled forward takes as symbolic (one compile serves every length); a CUDA graph
@@ -362,6 +373,24 @@ class FixedShapeVerify:
         # ATen's and oneDNN's called from the graph (the cost curves' cache key tells them apart)
         self.kernels = "inductor-gemm" if compile and options else "cuda-graphs" if graphs else "aten"
         self.fixed_forwards = self.fallbacks = 0  # how forwards ran (tests, logs)
+
+    def _set_sampling(self, runner, sampling: dict[int, RequestDecoding]) -> frozenset[str]:
+        """The rows' warpers and seeds set from ``sampling`` (the rows' buffers made on first use);
+        returns the warpers any row applies."""
+        if not self.accepts:
+            raise ValueError("sampling on the device is acceptance inside the forward: pass accept=True")
+        warps = {}
+        for seq, decoding in sampling.items():
+            warps[self.row_of[seq]] = w = row_warp(decoding)
+            if w is None:
+                raise ValueError("acceptance on the device applies temperature, top-k, top-p and min-p alone, in "
+                                 f"transformers' order; sequence {seq} has {decoding.processor.processors}: "
+                                 "leave it to the host's rule (no sampling=)")
+        if self._rows.sampling is None:
+            self._rows.sampling = SamplingRows.empty(self.attention.rows, self.buckets[-1], runner.vocab_size,
+                                                     self.cache.device)
+        self._rows.sampling.set_rows(warps)
+        return frozenset().union(*(w.uses for w in warps.values()))
 
     @torch.inference_mode()
     def precompile(self, tree_tokens: int, capture: bool) -> float:
@@ -433,6 +462,8 @@ class FixedShapeVerify:
         fill(host, self.committed, rows, trees)
         if device is not host:
             device.copy_from(host)
+        if self._uses is not None:
+            self._rows.sampling.fill_noise(rows, cached, trees)
         capture = capture and bool(self.runner.feature_layers)
         logits, features, packed = self._run(device, self._span(self._keys(N)), capture, self.accepts)
         self.fixed_forwards += 1
@@ -489,7 +520,8 @@ class FixedShapeVerify:
         R, N = b.ids.shape
         slots = (self._rows.row_start + b.committed)[:, None] + torch.arange(N, device=b.ids.device)  # [R, N]
         tree_mask = ancestor_masks(b.parents)  # [R, N, N]
-        positions = b.committed[:, None] + tree_mask.sum(-1) - 1  # [R, N]: committed + depth; padding: committed
+        depth = tree_mask.sum(-1) - 1  # [R, N]; padding: 0
+        positions = b.committed[:, None] + depth
         K = span.shape[0]
         batch = _RowsBatch(self.cache, slots.reshape(-1), self.attention,
                            tree_rows_mask(b.committed, tree_mask, K), positions, b.committed, K)
@@ -501,7 +533,9 @@ class FixedShapeVerify:
             features = torch.cat([out.hidden_states[fid] for fid in self.runner.feature_layers], dim=-1).view(R, N, -1)
         if not accept:
             return logits, features, None
-        packed = accept_fixed(first_argmax(logits), b.ids, b.parents, tree_mask)
+        choices = (first_argmax(logits) if self._uses is None else
+                   sampled_choices(logits, depth, self._rows.sampling, self._uses, first_argmax))
+        packed = accept_fixed(choices, b.ids, b.parents, tree_mask)
         path = packed[:, 1: N + 1]
         self.cache.move(slots.gather(1, path), slots)  # row r's node path[j] to position committed + j
         if features is not None:

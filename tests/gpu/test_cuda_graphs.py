@@ -166,6 +166,20 @@ def test_captured_verify_greedy_equals_hf_generate_and_a_second_call_replays(tre
     assert batch.sequences == want
 
 
+def test_captured_verify_samples_on_the_device_as_the_host_rule_does():
+    """Seeded sampling with temperature and top-p (one request greedy) on ``fixed_shapes="graphs"``:
+    the rule inside the captured forward (treespec/device_sampling.py; temperature as CUDA divides
+    by a scalar: a product with its fp32 reciprocal) gives the host's rule's tokens, fp32."""
+    import treespec.fixed_shape as fs
+
+    model, graphed = gpu_eagle(6, cuda_graphs=True)
+    kw = dict(max_new_tokens=24, attention_backend="torch", temperature=[0.8, 0, 1.2], top_p=0.9, top_k=40, seed=11)
+    want = treespec.generate(model, graphed, "eagle2", PROMPTS, **kw)
+    got = treespec.generate(model, graphed, "eagle2", PROMPTS, fixed_shapes="graphs", **kw)
+    assert {accept for _, _, accept, _ in fs._CAPTURED[model].graphs} == {"sample:temperature:top_k:top_p"}
+    assert got.sequences == want.sequences
+
+
 def test_captured_verify_logits_equal_the_eager_fixed_shape_ones():
     """One forward of a 20-node tree after a prompt, captured and eager, in fp32: the same
     logits and features within a GPU's fp32 reassociation."""

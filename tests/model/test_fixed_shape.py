@@ -614,6 +614,8 @@ def counts_per_step(kind: str, fixed: bool, monkeypatch, tree="cpu", on_graphs: 
     model, drafter = pair(kind)
     if on_graphs:
         drafter = graphed(drafter, whole_draft=on_graphs != "level")
+    if fixed == "graphs":  # the verify's graphs, their bodies run where a GPU would replay them
+        _graphs_on_a_cpu(monkeypatch)
     counts = _Counts([model, *drafter.modules()])
     for name in ("_tree_forward", "_verify", "_commit"):
         monkeypatch.setattr(loop, name, counts.enter("verify", getattr(loop, name)))
@@ -636,6 +638,23 @@ def counts_per_step(kind: str, fixed: bool, monkeypatch, tree="cpu", on_graphs: 
     return counts.per_step(steps), counts, steps
 
 
+def _graphs_on_a_cpu(monkeypatch) -> None:
+    import weakref
+
+    import treespec.compiled as compiled_mod
+    import treespec.fixed_shape as fs
+    import treespec.runner as runner_mod
+
+    class Replayed:
+        def __init__(self, body):
+            self.replay = body
+
+    monkeypatch.setattr(compiled_mod, "capture_graph", lambda body, pool: (body(), Replayed(body))[1])
+    monkeypatch.setattr(fs, "_CAPTURED", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(runner_mod, "check_graphs_device", lambda device: None)
+    monkeypatch.setattr(runner_mod, "_SPARE_KV", weakref.WeakKeyDictionary())
+
+
 @pytest.mark.parametrize("kind", ["ngram", "eagle3", "hybrid"])
 def test_verify_to_commit_reads_the_host_once_a_step(kind, monkeypatch):
     """Per decoding step of a tiny model, greedy: on fixed shapes the verify forward, the
@@ -651,6 +670,19 @@ def test_verify_to_commit_reads_the_host_once_a_step(kind, monkeypatch):
     assert fixed["ops verify"] <= 20 < today["ops verify"]
     sampled, *_ = counts_per_step(kind, True, monkeypatch, temperature=0.8, seed=3)
     assert sampled["reads verify"] > 1  # the rule on the host: the host's reads
+
+
+def test_a_sampled_step_on_graphs_reads_the_host_once(monkeypatch):
+    """Sampled with warpers, on the captured path (``fixed_shapes="graphs"``, bodies run
+    uncaptured here), the rule runs inside the body (treespec/device_sampling.py): the stages from
+    the tree forward to the commit read the device once, as greedy ones do, and dispatch a few
+    more operations outside it (the noise written and copied in)."""
+    kw = dict(temperature=0.8, top_p=0.9, seed=3)
+    on_graphs, counts, steps = counts_per_step("eagle3", "graphs", monkeypatch, **kw)
+    print(f"\neagle3, sampled: per step on graphs {on_graphs}\n  {counts.breakdown('verify', steps)}")
+    assert on_graphs["reads captured"] == 0
+    assert on_graphs["reads verify"] == 1
+    assert on_graphs["ops verify"] <= 25
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "hybrid"])

@@ -225,13 +225,24 @@ def test_another_layout_or_storage_captures_its_own_graphs(fake_graphs):
     assert not fs.release_graphs(model)
 
 
-def test_seeded_sampling_on_graphs_gives_todays_tokens(fake_graphs):
-    """Sampled: no acceptance inside the forward; the replay's logits go to the host's rule."""
+@pytest.mark.parametrize("options, on_device", [
+    (dict(temperature=0.9, top_p=0.95), "sample:temperature:top_p"),
+    (dict(temperature=[0.7, 0, 1.3], top_k=20, min_p=0.05), "sample:min_p:temperature:top_k"),  # one greedy
+    (dict(temperature=1.0), "sample"),
+    (dict(temperature=0.8, repetition_penalty=1.2), False),  # a processor of the history: the host's rule
+])
+def test_seeded_sampling_on_graphs_gives_todays_tokens(fake_graphs, options, on_device):
+    """Sampled requests whose processors are warpers of the scores alone accept inside the
+    captured forward (treespec/device_sampling.py), each with its own parameters, the noise of its
+    positions copied in before each replay: today's tokens, from the host's rule. Any other
+    processor keeps the host's rule, on the replay's logits."""
     model, drafter = pair("eagle3", peak=3.0)
-    kw = dict(max_new_tokens=24, temperature=0.9, top_p=0.95, seed=7, attention_backend="torch")
+    kw = dict(max_new_tokens=24, seed=7, attention_backend="torch", **options)
     want = treespec.generate(model, drafter, "cpu", PROMPTS, **kw)
     got = treespec.generate(model, drafter, "cpu", PROMPTS, fixed_shapes="graphs", **kw)
     assert got.sequences == want.sequences
+    assert {accept for _, _, accept, _ in fs._CAPTURED[model].graphs} == {on_device}
+    assert got.metrics.mean_accepted_length > 1  # drafts were taken: the verdicts are used
 
 
 def test_graphs_off_cuda_are_refused():

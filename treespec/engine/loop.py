@@ -28,6 +28,7 @@ import torch
 from ..accept import RequestDecoding, Verdict, accept, target_choices
 from ..auto import AutoController, AutoProfile
 from ..constraints import DraftRules
+from ..device_sampling import row_warp
 from ..drafters.base import DraftStart, Drafter
 from ..fixed_shape import Accepted, FixedShapeVerify, fixed_row_tokens
 from ..mask import causal_mask
@@ -213,25 +214,43 @@ def _set_up(run: Run, max_nodes: int, metrics: SpecMetrics, timer: "_StepTimer")
     row_tokens = (fixed_row_tokens(longest, max_nodes + 1, runner.fixed_shapes) if runner.fixed_shapes
                   else longest + max_nodes + 1)
     cache, cache_seqs = runner.new_rows_cache(len(run.prompts), row_tokens, run.page_size)
-    # greedy with nothing to apply at a node: the rule runs on the device, after the forward
-    accept = not run.output_scores and all(d.greedy and not d.processor for d in run.decodings)
-    fixed = _fixed_verify(runner, cache, cache_seqs, max_nodes, metrics, accept)
+    accept, sampling = _device_rule(run, cache_seqs)
+    fixed = _fixed_verify(runner, cache, cache_seqs, max_nodes, metrics, accept, sampling)
     sizing = time.perf_counter()
     auto = _controller(run, max_nodes, fixed if runner.fixed_shapes in ("compile", "graphs") else None)
     timer.discount(metrics.compile_seconds + time.perf_counter() - sizing)
     return cache, cache_seqs, fixed, auto
 
 
+def _device_rule(run: Run, seqs) -> tuple[bool, dict | None]:
+    """Whether the acceptance rule runs on the device, after the fixed-shape forward, and for
+    which sequences it samples there (seq -> decoding; None: all greedy). Greedy requests with
+    nothing to apply at a node always; sampled ones whose processors are warpers of the scores
+    alone (``treespec/device_sampling.py``) where the forward is captured, or compiled on CUDA:
+    on a CPU the host's rule, which processes only the nodes it reaches, costs less. Never with
+    ``output_scores`` (every node's processed scores go back to the host)."""
+    if run.output_scores:
+        return False, None
+    if all(d.greedy and not d.processor for d in run.decodings):
+        return True, None
+    runner = run.runner
+    if runner.fixed_shapes == "graphs" or (runner.fixed_shapes == "compile" and runner.device.type == "cuda"):
+        if all(row_warp(d) is not None for d in run.decodings):
+            return True, {s: d for s, d in zip(seqs, run.decodings) if not d.greedy}
+    return False, None
+
+
 def _fixed_verify(runner: ModelRunner, cache, seqs, max_nodes: int, metrics: SpecMetrics,
-                  accept: bool) -> FixedShapeVerify | None:
+                  accept: bool, sampling: dict | None) -> FixedShapeVerify | None:
     """The verify forward on fixed shapes, when asked (its buffers live as long as the rows),
-    with ``accept`` the acceptance rule and the K/V's compaction inside it; compiled or
+    with ``accept`` the acceptance rule and the K/V's compaction inside it (sampling for the
+    sequences ``sampling`` names); compiled or
     captured, every bucket a tree can take is compiled or captured here, before the prompts' K/V
     go in (the seconds in ``metrics.compile_seconds``)."""
     if not runner.fixed_shapes:
         return None
     fixed = FixedShapeVerify(runner, cache, seqs, compile=runner.fixed_shapes == "compile", accept=accept,
-                             graphs=runner.fixed_shapes == "graphs")
+                             graphs=runner.fixed_shapes == "graphs", sampling=sampling)
     metrics.compile_seconds += fixed.precompile(max_nodes + 1, capture=bool(runner.feature_layers))
     return fixed
 
