@@ -9,6 +9,8 @@ a drafter extends its own tree level by level; ``m_b == n_b`` for verification a
 Backends share one interface, ``plan`` once per forward and ``run`` per layer, and are built
 once per model and device (:func:`backend_for`):
     TorchBackend       reference; dense bool mask and SDPA over gathered pages; CPU and GPU.
+    SplitBackend       each request's prefix through a fused kernel without a mask, its tree block
+                       under the mask, merged by log-sum-exp (:mod:`treespec.split_attention`).
     FlexBackend        the torch backend's K/V and mask, attended by PyTorch's flex_attention
                        with the mask as a BlockMask (compiled through triton on CUDA); CPU and
                        GPU, no package beyond torch.
@@ -33,9 +35,10 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from .kv_cache import PagedKVCache, as_slice
+from .split_attention import SplitBackend
 
-__all__ = ["ForwardBatch", "TorchBackend", "FlexBackend", "FlashInferBackend", "FlashInferPlan", "get_backend",
-           "backend_for", "ATTENTION_NAME", "kv_dtype", "flex_block_mask", "flashinfer_problem"]
+__all__ = ["ForwardBatch", "TorchBackend", "SplitBackend", "FlexBackend", "FlashInferBackend", "FlashInferPlan",
+           "get_backend", "backend_for", "ATTENTION_NAME", "kv_dtype", "flex_block_mask", "flashinfer_problem"]
 
 ATTENTION_NAME = "treespec"
 
@@ -519,13 +522,15 @@ def backend_for(owner: torch.nn.Module, name: str, device) -> AttentionBackend:
 
 
 def get_backend(name: str, device, dtype: torch.dtype | None = None, head_dim: int | None = None) -> AttentionBackend:
-    """A new attention backend ``name`` (``auto``, ``torch``, ``flex``, ``flashinfer``) for
+    """A new attention backend ``name`` (``auto``, ``torch``, ``split``, ``flex``, ``flashinfer``) for
     ``device`` and a model of ``dtype`` and ``head_dim`` (None: not checked); :func:`backend_for`
     keeps one per model instead."""
     device = torch.device(device)
     name = backend_name(name, device, dtype, head_dim)
     if name == "torch":
         return TorchBackend()
+    if name == "split":
+        return SplitBackend()
     if name == "flex":
         problem = flex_problem(device)
         if problem:
@@ -543,7 +548,7 @@ def get_backend(name: str, device, dtype: torch.dtype | None = None, head_dim: i
                 "pip install 'treespec[cuda]' (or use 'torch')"
             )
         return FlashInferBackend(device)
-    raise ValueError(f"unknown attention_backend {name!r}: choose 'auto', 'torch', 'flex' or 'flashinfer'")
+    raise ValueError(f"unknown attention_backend {name!r}: choose 'auto', 'torch', 'split', 'flex' or 'flashinfer'")
 
 
 def treespec_attention(

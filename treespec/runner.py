@@ -74,7 +74,7 @@ class ModelRunner:
 
     Args:
         model:          a transformers causal LM (eval mode).
-        backend:        ``"auto"``, ``"torch"``, ``"flex"``, ``"flashinfer"`` (the model's
+        backend:        ``"auto"``, ``"torch"``, ``"split"``, ``"flex"``, ``"flashinfer"`` (the model's
                         backend of that name, built on first use and shared by every runner
                         of the model: :func:`~treespec.attention.backend_for`) or a backend
                         object.

@@ -25,8 +25,8 @@
 #   4. the CUDA tests, the least run first: the EAGLE head's and the verify forward's CUDA graphs
 #      (tests/gpu/test_cuda_graphs.py), then greedy equality with HF generate on the GPU through every
 #      backend (tests/gpu/test_cuda.py) and flex (and FlashInfer) tree logits against the torch backend
-#      (tests/model/test_backends.py); each test is named as it ends, so a step that runs out of time
-#      shows where;
+#      (tests/model/test_backends.py), the split backend against it (tests/model/test_split_attention.py);
+#      each test is named as it ends, so a step that runs out of time shows where;
 #   5. when the target's GGUF is here (GGUF=the file, or GGUF_PARTS=a folder of its pieces, which
 #      earlier runs carried: 98 MB is more than one run brings; joined here and checked against
 #      benchmarks/figures/smollm2-gguf.sha256; WHEELS=a folder with the gguf package's wheel), the
@@ -74,7 +74,7 @@ GGUF_SHA256=benchmarks/figures/smollm2-gguf.sha256
 FI_CUT=build/flashinfer/flashinfer-cut.tar.gz
 COST_SCRIPT=benchmarks/micro/verify_cost_gpu.py
 DRAFT_SCRIPT=benchmarks/micro/draft_step_gpu.py
-TESTS=(tests/gpu/test_cuda_graphs.py tests/gpu/test_cuda.py tests/model/test_backends.py)
+TESTS=(tests/gpu/test_cuda_graphs.py tests/gpu/test_cuda.py tests/model/test_backends.py tests/model/test_split_attention.py)
 CARRY_LIMIT_MIB=${CARRY_LIMIT_MIB:-64}  # the most a GPU run may bring along
 
 if [ "${1:-}" = "--dry-run" ]; then

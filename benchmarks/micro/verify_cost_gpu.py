@@ -1,7 +1,7 @@
 """The verify cost curve on a GPU, with nothing downloaded (the GPU machine has no network):
 one target forward of a tree of q tokens after a prefix of 1,536 cached tokens, for
-q = 1 .. 128, through each attention backend that runs there (torch, flex, and FlashInfer
-when it imports), median milliseconds over repeats. The target has a real model's shape,
+q = 1 .. 128, through each attention backend that runs there (torch, split, flex, and
+FlashInfer when it imports), median milliseconds over repeats. The target has a real model's shape,
 Llama-3.1-8B's by default (hidden 4096, intermediate 14336, 32 layers, 32 heads, 8 KV heads,
 vocab 128256; its rope scaling left out, which changes no cost), built with random weights
 directly on the GPU in bf16.
@@ -99,9 +99,9 @@ FIXED = ("fixed", "fixed-graphs")  # the loop's verify on fixed shapes, eager an
 
 
 def available_backends(device: str, dtype: torch.dtype) -> list[str]:
-    """The backends that run here for a model in ``dtype`` (FlashInfer: fp16/bf16 only), then
-    the fixed-shape verify (captured: CUDA only)."""
-    names = ["torch"]
+    """The backends that run here for a model in ``dtype`` (split: anywhere; FlashInfer: fp16/bf16
+    only), then the fixed-shape verify (captured: CUDA only)."""
+    names = ["torch", "split"]
     if flex_problem(device) is None:
         names.append("flex")
     if torch.device(device).type == "cuda" and flashinfer_problem(dtype, None) is None and flashinfer_available():

@@ -40,11 +40,11 @@ class Layer:
 
 # Bottom to top.
 LAYERS: tuple[Layer, ...] = (
-    Layer("foundations", ("warn", "tree", "config", "builder", "processing", "accept", "constraints", "sampling_args",
-                          "mask", "data", "assets"),
+    Layer("foundations", ("warn", "tree", "config", "builder", "processing", "accept", "device_sampling",
+                          "constraints", "sampling_args", "mask", "data", "assets"),
           "values and pure functions on them, and the files that ship; no model runs here"),
-    Layer("execution", ("compiled", "models", "packing", "threads", "kv_cache", "prefix_cache", "attention", "runner",
-                        "fixed_shape"),
+    Layer("execution", ("compiled", "models", "packing", "threads", "kv_cache", "prefix_cache", "split_attention",
+                        "attention", "runner", "fixed_shape"),
           "loading a model and running its forward over trees on the paged KV cache"),
     Layer("sizing", ("calibration", "costs", "pack_choice", "split_choice", "auto"),
           "how big a tree is worth verifying, and on which weights: calibrated scores, measured forward costs"),

@@ -108,9 +108,10 @@ def add_runtime(p, *, device: str = "auto", dtype: str = "auto", pack: bool | No
     def here(value, usual):
         return "" if value == usual else f" (default here: {value})"
 
-    p.add_argument("--backend", choices=["auto", "torch", "flex", "flashinfer"], default="auto",
+    p.add_argument("--backend", choices=["auto", "torch", "split", "flex", "flashinfer"], default="auto",
                    help="tree attention backend (auto: FlashInfer on CUDA when installed and it takes the model's "
-                        "dtype and head size, else torch; flex: "
+                        "dtype and head size, else torch; split: the prefix through a fused kernel without a mask, "
+                        "the tree block masked, merged by log-sum-exp; flex: "
                         "PyTorch's flex_attention, compiled with triton on CUDA, nothing to install)")
     if graphs:  # not for capture, which runs the target alone
         p.add_argument("--cuda-graphs", action="store_true", help="on a CUDA GPU, replay the target's verify "

@@ -56,8 +56,9 @@ class GenerationOptions:
         or the model's.""")
     attention_backend: str = _option("auto", """
         ``"auto"`` (FlashInfer on CUDA when installed and the model is fp16/bf16 with a head size of
-        64, 128 or 256, else torch), ``"torch"``, ``"flex"``
-        (PyTorch's flex_attention) or ``"flashinfer"``.""")
+        64, 128 or 256, else torch), ``"torch"``, ``"split"`` (the prefix without a mask, the tree
+        block masked, merged by log-sum-exp), ``"flex"`` (PyTorch's flex_attention) or
+        ``"flashinfer"``.""")
     page_size: int = _option(16, """
         tokens per page of the paged KV cache; a ``prefix_cache`` keeps the page size of its
         first use (another is a ValueError).""")
