@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import treespec
+from helpers.caches import random_cache
 from helpers.tiny import tiny_model
 from treespec import Tree
 from treespec.attention import (
@@ -314,27 +315,6 @@ def test_flex_block_mask_tables_are_create_block_masks(R, n, kv, block, density,
                 assert bool(seen[r, i, j]) == bool(tile.any())
 
 
-def _random_cache(prefixes, masks, page_size, rows: bool, seed: int):
-    """A cache of random K/V (2 KV heads, head dim 4) holding ``prefixes`` committed tokens per
-    sequence: in one block of rows (read as a view) or on pages handed out in a scrambled order
-    (gathered)."""
-    g = torch.Generator().manual_seed(seed)
-    longest = max(L + m.shape[1] for L, (m, _) in zip(prefixes, masks))
-    pages = len(prefixes) * (-(-longest // page_size) + 1)
-    cache = PagedKVCache(1, 2, 4, pages, page_size)
-    if rows:
-        seqs = cache.add_sequences(len(prefixes), longest)
-    else:
-        cache._free = torch.randperm(pages, generator=g).tolist()
-        seqs = [cache.add_sequence() for _ in prefixes]
-    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=g))
-    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=g))
-    for s, L in zip(seqs, prefixes):
-        cache.reserve(s, L)
-        cache.commit(s, torch.arange(L))
-    return cache, seqs
-
-
 @settings(max_examples=30, **SETTINGS)
 @given(prefixes=st.lists(st.integers(0, 13), min_size=1, max_size=4),
        masks=st.lists(local_mask(), min_size=4, max_size=4),
@@ -346,7 +326,7 @@ def test_flex_attends_like_torch(prefixes, masks, page_size, window, rows, seed)
     """Random trees (and drafter-style last levels), ragged prefixes, GQA, sliding windows, K/V
     read as a view or gathered: flex gives the torch backend's outputs."""
     masks = masks[: len(prefixes)]
-    cache, seqs = _random_cache(prefixes, masks, page_size, rows, seed)
+    cache, seqs = random_cache(prefixes, masks, page_size, rows, seed)
     args = (seqs, prefixes, [m for m, _ in masks], [L + d for L, (_, d) in zip(prefixes, masks)])
     ref, flex = make_batch(cache, *args, TorchBackend()), make_batch(cache, *args, FlexBackend("cpu"))
     q = torch.randn(sum(m.shape[0] for m, _ in masks), 4, 4, generator=torch.Generator().manual_seed(seed))
@@ -370,7 +350,7 @@ def test_flex_compiled_on_cpu_attends_like_torch_and_reads_the_tile_tables(monke
     tree = Tree([-1, 0, 0, 1])
     masks = [(tree.attention_mask(), tree.depth), (causal_mask(130), torch.arange(130))]
     prefixes = [10, 300]
-    cache, seqs = _random_cache(prefixes, masks, 16, False, 0)
+    cache, seqs = random_cache(prefixes, masks, 16, False, 0)
     args = (seqs, prefixes, [m for m, _ in masks], [L + d for L, (_, d) in zip(prefixes, masks)])
     ref, flex = make_batch(cache, *args, TorchBackend()), make_batch(cache, *args, FlexBackend("cpu", compile=True))
     q = torch.randn(134, 4, 4, generator=torch.Generator().manual_seed(1))

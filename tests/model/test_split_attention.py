@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 import treespec
 import treespec.split_attention as split_attention
+from helpers.caches import random_cache
 from helpers.references import hf_greedy
 from helpers.tiny import tiny_model
 from helpers.trees import parent_arrays
@@ -28,7 +29,6 @@ from treespec import Tree
 from treespec.attention import SplitBackend, TorchBackend, backend_for, get_backend, make_batch
 from treespec.drafters.model import ModelDrafter
 from treespec.drafters.ngram import NgramDrafter
-from treespec.kv_cache import PagedKVCache
 from treespec.split_attention import fused_works, masked_attention, merge_attention
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -62,20 +62,7 @@ def split_and_torch_batches(prefixes, blocks, heads_kv, head_dim, cache_dtype, p
     """A one-layer cache of random K/V holding ``prefixes`` committed tokens per request (in one
     block of rows, read as views, or on pages handed out in a scrambled order, gathered), and the
     same forward planned for the split and the torch backend."""
-    g = torch.Generator().manual_seed(seed)
-    longest = max(L + m.shape[1] for L, (m, _) in zip(prefixes, blocks))
-    pages = len(prefixes) * (-(-longest // page_size) + 1)
-    cache = PagedKVCache(1, heads_kv, head_dim, pages, page_size, cache_dtype, device)
-    if rows:
-        seqs = cache.add_sequences(len(prefixes), longest)
-    else:
-        cache._free = torch.randperm(pages, generator=g).tolist()
-        seqs = [cache.add_sequence() for _ in prefixes]
-    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=g))
-    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=g))
-    for s, L in zip(seqs, prefixes):
-        cache.reserve(s, L)
-        cache.commit(s, torch.arange(L))
+    cache, seqs = random_cache(prefixes, blocks, page_size, rows, seed, heads_kv, head_dim, cache_dtype, device)
     args = (seqs, prefixes, [m for m, _ in blocks], [L + d for L, (_, d) in zip(prefixes, blocks)])
     return make_batch(cache, *args, SplitBackend()), make_batch(cache, *args, TorchBackend())
 
