@@ -137,7 +137,7 @@ class SamplingRows:
         tree ``trees[i]``) gets its seed's noise of the positions after its committed tokens, one
         per depth of its tree; copied to the device without waiting."""
         self.wait()
-        V = self.noise.shape[-1]
+        V, copied = self.noise.shape[-1], False
         for r, L, tree in zip(rows, cached, trees):
             seed = self.seeds[r]
             if seed is None:
@@ -146,8 +146,10 @@ class SamplingRows:
             if depths > self.noise.shape[1]:
                 raise ValueError(f"a tree {depths - 1} deep: the noise is kept for {self.noise.shape[1]} depths")
             self.host_noise[r, :depths] = gumbel_noise(seed, range(L + 1, L + 1 + depths), V)
-        if self.noise is not self.host_noise:
-            self.noise.copy_(self.host_noise, non_blocking=True)
+            if self.noise is not self.host_noise:  # the depths written, not the whole buffer
+                self.noise[r, :depths].copy_(self.host_noise[r, :depths], non_blocking=True)
+                copied = True
+        if copied:
             self.copied = self.copied or torch.cuda.Event()
             self.copied.record()
 
