@@ -18,6 +18,12 @@ Greedy requests in the batch keep the argmax: their parameters leave the scores 
 their noise is zero. A request with any other processor (a repetition penalty, a minimum length, a
 user's own: functions of a node's history) keeps the host's rule for the whole batch.
 
+On CUDA one thing can differ by an ulp: top-p's cumulative sum, whose scan ATen lays out by the
+number of rows (the host sums one row, or the rows whose cut is not clear; here the whole bucket),
+and compiled, inductor's own softmax and scan. A token at top-p's cut can then be kept by one and
+dropped by the other, and a seeded token differ where that token also wins the noise's argmax:
+both are exact top-p samplers, and the CPU's sums are the same row by row.
+
 On a CPU the host's rule is cheaper: it processes the three or four nodes a step reaches, where
 the device processes all N, sorting the vocabulary twice for top-p; the loop takes this path for
 captured forwards (``fixed_shapes="graphs"``) and compiled ones on CUDA.
@@ -151,7 +157,7 @@ class SamplingRows:
                 copied = True
         if copied:
             self.copied = self.copied or torch.cuda.Event()
-            self.copied.record()
+            self.copied.record(torch.cuda.current_stream(self.noise.device))  # the copies' stream
 
     def wait(self) -> None:
         """Until the last copy out of the host's noise is done (it is not written before)."""

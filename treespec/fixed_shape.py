@@ -129,6 +129,10 @@ class _Bucket:
                    torch.full((rows, n), -1, dtype=torch.int64, device=device),
                    torch.zeros(rows, dtype=torch.int64, device=device))
 
+    def pinned(self) -> "_Bucket":
+        """A copy of these (host) buffers in pinned memory, for copies to the device that do not wait."""
+        return _Bucket(self.ids.pin_memory(), self.parents.pin_memory(), self.committed.pin_memory())
+
     def copy_from(self, other: "_Bucket") -> None:
         """Copy ``other``'s (pinned) buffers here without waiting; ``other`` is not to be
         written again before :meth:`wait` says the copies are done."""
@@ -136,7 +140,7 @@ class _Bucket:
             getattr(self, name).copy_(getattr(other, name), non_blocking=True)
         if self.ids.device.type == "cuda":
             other.copied = other.copied or torch.cuda.Event()
-            other.copied.record()
+            other.copied.record(torch.cuda.current_stream(self.ids.device))  # the copies' stream
 
     def wait(self) -> None:
         """Until the last copy out of these (host) buffers is done."""
@@ -477,9 +481,7 @@ class FixedShapeVerify:
         if n not in buffers:
             R, dev = self.attention.rows, self.cache.device
             device = _Bucket.empty(R, n, dev)
-            host = device if dev.type == "cpu" else _Bucket.empty(R, n, "cpu")
-            if dev.type == "cuda":
-                host = _Bucket(*(t.pin_memory() for t in vars(host).values()))
+            host = device if dev.type == "cpu" else _Bucket.empty(R, n, "cpu").pinned()
             buffers[n] = (device, host)
         return buffers[n]
 

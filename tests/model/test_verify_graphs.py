@@ -252,3 +252,16 @@ def test_graphs_off_cuda_are_refused():
         runner = ModelRunner(tiny_model("llama", 0), "torch")
         cache, seqs = runner.new_rows_cache(1, 64, 4)
         FixedShapeVerify(runner, cache, seqs, compile=True, graphs=True)
+
+
+def test_a_buckets_pinned_host_copy_holds_its_buffers(monkeypatch):
+    """On CUDA each bucket is filled on a pinned host copy (``_Bucket.pinned``): the same three
+    buffers, new memory, no copy event yet. (A CPU build cannot pin: the copy stands in for it.)"""
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self.clone())
+    b = fs._Bucket.empty(2, 4, "cpu")
+    b.ids[1, 2], b.committed[0] = 7, 5
+    host = b.pinned()
+    for name in ("ids", "parents", "committed"):
+        assert torch.equal(getattr(host, name), getattr(b, name))
+        assert getattr(host, name).data_ptr() != getattr(b, name).data_ptr()
+    assert host.copied is None
