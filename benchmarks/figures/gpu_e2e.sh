@@ -24,7 +24,7 @@ DATASET=${DATASET:-gsm8k}
 mkdir -p "$OUT"
 if [ -n "${WHEELS:-}" ]; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/treespec-site "$WHEELS"/*.whl || exit 1
-  export PYTHONPATH=/tmp/treespec-site
+  export PYTHONPATH="/tmp/treespec-site${PYTHONPATH:+:$PYTHONPATH}"  # after step 1b's FlashInfer, if any
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export TREESPEC_CACHE=${TREESPEC_CACHE:-/tmp/treespec-cache}

@@ -65,10 +65,12 @@ def test_cuda_graph_drafter_greedy_equals_hf_generate(tree):
             assert out.sequences == [hf_greedy(model, p, 24)]
             trees[name, len(p)] = drafted(rec)
             assert trees[name, len(p)]
-    passes = graphed.graphed_row.passes.passes
-    assert passes and all(p.graph is not None for p in passes.values())
-    assert sum(p.replays for p in passes.values()) > 2 * len(passes)
-    drafts = graphed.graphed_row.passes.drafts  # dynamic trees: drafted whole, one graph a configuration
+    row = graphed.graphed_row.passes
+    # chain-3 drafts a pass a level; dynamic trees draft whole and commit through the commit passes
+    bodies = list((row.passes if tree == "chain-3" else row.commits).values())
+    assert bodies and all(b.graph is not None for b in bodies)
+    assert sum(b.replays for b in bodies) > 2 * len(bodies)
+    drafts = row.drafts  # dynamic trees: drafted whole, one graph a configuration
     assert (len(drafts) == 1 and all(d.graph is not None and d.replays > 2 for d in drafts.values())
             if tree != "chain-3" else not drafts)
 
@@ -135,7 +137,8 @@ def test_cuda_graphs_are_recaptured_when_the_head_moves():
     out = treespec.generate(model, drafter, "eagle2", [p], max_new_tokens=12)
     assert drafter.graphed_row.passes is not first and kept
     assert out.sequences == [hf_greedy(model, p, 12)]
-    assert any(q.replays for q in drafter.graphed_row.passes.passes.values())
+    now = drafter.graphed_row.passes
+    assert any(q.replays for q in (*now.passes.values(), *now.commits.values(), *now.drafts.values()))
 
 
 # ---- the verify forward captured (fixed_shapes="graphs") ---------------------------------------
