@@ -29,7 +29,8 @@ def test_dry_run_passes_and_prints_the_carried_size():
     out = run.stdout
     assert "ok: benchmarks/micro/verify_cost_gpu.py imports" in out
     assert "ok: benchmarks/micro/draft_step_gpu.py imports" in out
-    named = "tests/gpu/test_cuda_graphs.py tests/gpu/test_cuda.py tests/model/test_backends.py"
+    named = ("tests/gpu/test_cuda_graphs.py tests/gpu/test_cuda.py tests/model/test_backends.py "
+             "tests/model/test_split_attention.py")
     collected = re.search(rf"ok: {named}: (\d+) CUDA tests collected", out)
     assert collected and int(collected.group(1)) >= 5, out
     size = re.search(r"carried: ([\d.]+) MiB in (\d+) files .*limit 64 MiB", out)
