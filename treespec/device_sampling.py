@@ -25,8 +25,9 @@ dropped by the other, and a seeded token differ where that token also wins the n
 both are exact top-p samplers, and the CPU's sums are the same row by row.
 
 On a CPU the host's rule is cheaper: it processes the three or four nodes a step reaches, where
-the device processes all N, sorting the vocabulary twice for top-p; the loop takes this path for
-captured forwards (``fixed_shapes="graphs"``) and compiled ones on CUDA.
+the device processes all N, sorting the vocabulary at each for top-k and again for top-p
+(``benchmarks/micro/sampled_rule_cpu.py``); the loop takes this path for captured forwards
+(``fixed_shapes="graphs"``) and compiled ones on CUDA.
 
 Letters: R rows (requests), N tokens of a bucket, D the depths noise is kept for, V vocabulary.
 """
