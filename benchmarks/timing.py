@@ -71,6 +71,16 @@ def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 0,
     return 1000 * statistics.median(call_times(fn, repeats, warmup, sync))
 
 
+def round_robin_ms(variants: dict[str, Callable[[], object]], rounds: int, calls: int) -> dict[str, float]:
+    """Median milliseconds a call of each variant, timed in turns: ``rounds`` rounds in which each
+    variant runs ``calls`` timed calls, so that a slow minute of the machine falls on all alike."""
+    times = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            times[name] += call_times(fn, calls)
+    return {name: 1000 * statistics.median(t) for name, t in times.items()}
+
+
 def machine_line(*what: object, threads: bool = True) -> str:
     """``what``, then the torch version, the thread count (unless ``threads`` is False: a
     script that varies it prints it per row) and the CPU: the first line of a printed table."""

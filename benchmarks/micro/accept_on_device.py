@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import functools
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks.timing import command, machine_line  # noqa: E402
+from benchmarks.timing import command, machine_line, round_robin_ms  # noqa: E402
 from treespec import Tree  # noqa: E402
 from treespec.accept import RequestDecoding, accept, accept_fixed, first_argmax, verdicts_of  # noqa: E402
 from treespec.fixed_shape import ancestor_masks  # noqa: E402
@@ -95,22 +94,16 @@ def main() -> None:
         "the rule compiled (first_argmax, accept_fixed, move, one read)": lambda x: device(),
     }
     assert host() == device(), "the two rules disagree"
-    times = {name: [] for name in variants}
     with torch.inference_mode():
         for fn in variants.values():
             fn(logits)  # compile
-        for _ in range(args.rounds):
-            for name, fn in variants.items():
-                for _ in range(args.calls):
-                    t0 = time.perf_counter()
-                    fn(logits)
-                    times[name].append(time.perf_counter() - t0)
+        medians = round_robin_ms({name: functools.partial(fn, logits) for name, fn in variants.items()},
+                                 args.rounds, args.calls)
     head = machine_line("bfloat16")
     print(head)
     print(f"logits [{N}, {V}] bf16; a tree of {N} nodes accepting 3; a cache of {LAYERS} layers")
     rows = {}
-    for name in variants:
-        ms = 1e3 * statistics.median(times[name])
+    for name, ms in medians.items():
         rows[name] = round(ms, 3)
         print(f"  {name:64} {ms:6.3f} ms a call")
     if args.out:

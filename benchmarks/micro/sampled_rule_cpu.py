@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper  # noqa: E402
 
-from benchmarks.timing import command, machine_line  # noqa: E402
+from benchmarks.timing import command, machine_line, round_robin_ms  # noqa: E402
 from treespec import Tree  # noqa: E402
 from treespec.accept import RequestDecoding, first_argmax  # noqa: E402
 from treespec.device_sampling import SamplingRows, row_warp, sampled_choices  # noqa: E402
@@ -93,19 +91,11 @@ def main() -> None:
             for name in on_device:
                 got = variants[name]()
                 assert [got[i] for i in reached] == [want[i] for i in reached], name
-        times = {name: [] for name in variants}
-        for _ in range(args.rounds):
-            for name, fn in variants.items():
-                for _ in range(args.calls):
-                    t0 = time.perf_counter()
-                    fn()
-                    times[name].append(time.perf_counter() - t0)
+        medians = {name: round(ms, 3) for name, ms in round_robin_ms(variants, args.rounds, args.calls).items()}
     head = machine_line("bfloat16")
     print(head)
     print(f"logits [{N}, {V}] bf16; a tree of {N} nodes whose sampled path reaches 4")
-    medians = {}
     for name in variants:
-        medians[name] = round(1e3 * statistics.median(times[name]), 3)
         print(f"  {name:64} {medians[name]:8.3f} ms a call")
     if args.out:
         res = {"command": command("benchmarks/micro/sampled_rule_cpu.py", sys.argv[1:]), "machine": head,
